@@ -1,0 +1,1 @@
+"""Ingest: session shards and Nsight Systems exports into one DuckDB database."""

@@ -1,0 +1,1 @@
+"""Probes: patches installed into vLLM processes through its general-plugin entry point."""

@@ -1,0 +1,1 @@
+"""Canned SQL queries, one .sql file per query."""

@@ -1,0 +1,1 @@
+"""The static single-file HTML viewer and the Perfetto exporter."""
