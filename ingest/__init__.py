@@ -1,1 +1,37 @@
-"""Ingest: session shards and Nsight Systems exports into one DuckDB database."""
+"""Ingest: session shards and Nsight Systems exports into one DuckDB database.
+
+    from kvtrace.ingest import ingest
+    report = ingest(["run1"], "run1.duckdb", nsys=["report.sqlite"])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvtrace.ingest.duckdb_load import create_tables, ingest_session, open_db
+
+
+def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Path] | None = None,
+           progress: bool = False, job_pattern: str | None = None) -> list[dict[str, Any]]:
+    """Load session directories (and Nsight SQLite exports) into the DuckDB file at `db_path`.
+
+    Each session's rows replace any earlier ingest of the same session. An export given with one
+    session is aligned to that session's clock; given alone it is loaded unaligned.
+    """
+    con = open_db(db_path)
+    try:
+        create_tables(con)
+        reports = [ingest_session(con, s, progress=progress, job_pattern=job_pattern) for s in sessions]
+        for path in nsys or []:
+            from kvtrace.ingest import nsys as nsys_mod
+
+            session = reports[0]["session"] if len(reports) == 1 else None
+            stats = nsys_mod.load_nsys(con, path, session=session)
+            if session is not None:
+                stats["alignment"] = nsys_mod.align_nsys(con, session)
+            reports.append({"nsys": str(path), **stats})
+        con.execute("CHECKPOINT")
+        return reports
+    finally:
+        con.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -105,9 +106,20 @@ class Recorder:
         self.max_pending_rows = int(options.get("max_pending_rows", 5_000_000))
         self.max_size_bytes = int(options.get("max_size_bytes", 0))  # 0 = no cap
         self.max_size_policy = options.get("max_size_policy", "stop")  # or "drop-oldest"
-        self.dir = self.session_dir / "procs" / f"{role}-{self.pid}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.options = options
         self.buffers: dict[str, list] = {t: [] for t in schema.TABLES}
+        self._start()
+        atexit.register(self.close)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    def _start(self) -> None:
+        """Open this process's folder and start the writer (at creation, and again in a forked child)."""
+        self.pid = os.getpid()
+        # The role is not known until a probe fires (plugins load before vLLM says which process
+        # this is), so the folder is named by host and pid and the role lives in proc.json.
+        self.dir = self.session_dir / "procs" / f"{socket.gethostname()}-{self.pid}"
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.writers = {t: ShardWriter(self.dir, t, self.rotate_bytes, self.rotate_s) for t in schema.TABLES}
         self.rows_written = {t: 0 for t in schema.TABLES}
         self.dropped: dict[str, dict[str, int]] = {}
@@ -121,7 +133,15 @@ class Recorder:
         self._write_proc_file(status="running")
         self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
         self._thread.start()
-        atexit.register(self.close)
+
+    def _after_fork(self) -> None:
+        """A forked child keeps the buffer lists (probes hold references to them) but not the parent's
+        rows, files or writer thread."""
+        for buf in self.buffers.values():
+            del buf[:]
+        probes = dict(self.info.get("probes", {}))
+        self._start()
+        self.info["probes"] = probes
 
     # ---- hot path -------------------------------------------------------------------------
     def buffer(self, table: str) -> list:
@@ -228,6 +248,7 @@ class Recorder:
             "schema_version": schema.SCHEMA_VERSION,
             "role": self.role,
             "pid": self.pid,
+            "host": socket.gethostname(),
             "rank": self.rank,
             "status": status,
             "started_ns": self.started_ns,
@@ -274,21 +295,29 @@ _recorder_lock = threading.Lock()
 def get_recorder(role: str | None = None) -> Recorder | None:
     """This process's recorder, created on first use when a session is active (KVTRACE_SESSION).
 
-    Keyed on the pid: a forked child inherits the parent's object but not its thread or files, so it
-    gets a fresh recorder of its own.
+    A forked child keeps the same object, re-opened for its own pid by the at-fork handler.
     """
     global _recorder
-    rec = _recorder
-    if rec is not None and rec.pid == os.getpid():
-        return rec
+    if _recorder is not None:
+        if role and _recorder.role == "proc":
+            _recorder.role = role
+        return _recorder
     session_dir = os.environ.get("KVTRACE_SESSION")
     if not session_dir:
         return None
     with _recorder_lock:
-        if _recorder is None or _recorder.pid != os.getpid():
-            options = json.loads(os.environ.get("KVTRACE_OPTIONS", "{}") or "{}")
-            _recorder = Recorder(session_dir, role or _guess_role(), options)
+        if _recorder is None:
+            _recorder = Recorder(session_dir, role or _guess_role(), session_options())
     return _recorder
+
+
+def session_options() -> dict[str, Any]:
+    """The recording options `kvtrace record` passed down (KVTRACE_OPTIONS, JSON)."""
+    try:
+        options = json.loads(os.environ.get("KVTRACE_OPTIONS", "{}") or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return options if isinstance(options, dict) else {}
 
 
 def _guess_role() -> str:

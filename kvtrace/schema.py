@@ -124,9 +124,9 @@ TABLES: dict[str, tuple[Column, ...]] = {
            "them as evicted-before or never-seen"),
         _c("external_hit_tokens", i32, "tokens",
            "tokens a KV connector said it can load (get_num_new_matched_tokens); null without one"),
-        _c("counted", i8, "",
-           "1 when vLLM counted this lookup in its own prefix-cache stats (first lookup of a "
-           "request, or after preemption), 0 for a retry of the same request"),
+        _c("after_preemption", i8, "",
+           "1 for the lookup of a request resumed after preemption (vLLM counts those apart, as "
+           "preempted_queries), 0 otherwise"),
     ),
     # Preemptions (EngineCore).
     "preemptions": (

@@ -1,0 +1,273 @@
+"""Loading a session into DuckDB: one table per recorded table, plus what ingest derives.
+
+Every row gets the process columns (`session`, `rank`, `pid`). Block events are unnested to one row
+per block; device access records get their request id from the worker's batch slots. After the shards,
+ingest derives `requests` (one row per request) and the session-level tables (`sessions`, `procs`,
+`probes`, `ingest_issues`). Re-ingesting a session replaces its rows, so ingest is idempotent.
+Memory is bounded by one shard batch at a time (the recorder writes batches of at most a flush).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from kvtrace import schema
+from kvtrace.errors import KvtraceError
+from kvtrace.ingest.shards import ShardRead, list_shards, pad_batch, read_shard
+from kvtrace.session import proc_dirs, read_manifest, read_proc
+
+DUCK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER", "int64": "BIGINT",
+              "double": "DOUBLE", "string": "VARCHAR", "list<item: int32>": "INTEGER[]",
+              "list<item: int64>": "BIGINT[]"}
+
+# Columns of the DuckDB tables that differ from the shard columns.
+UNNESTED = {"block_events": ("block_ids", "block_hashes", "block_id INTEGER", "block_hash BIGINT")}
+EXTRA_COLUMNS = {"kv_access": ["request_id VARCHAR"]}
+
+SESSION_TABLES = {
+    "sessions": """session VARCHAR, session_dir VARCHAR, status VARCHAR, schema_version INTEGER,
+        kvtrace_version VARCHAR, vllm_version VARCHAR, command VARCHAR, start_utc_ns BIGINT,
+        start_monotonic_ns BIGINT, end_monotonic_ns BIGINT, exit_code INTEGER, block_size INTEGER,
+        num_kv_blocks INTEGER, max_num_seqs INTEGER, max_num_batched_tokens INTEGER,
+        enable_prefix_caching BOOLEAN, enable_chunked_prefill BOOLEAN, kv_connector VARCHAR,
+        model VARCHAR, job_pattern VARCHAR, manifest JSON, ingested_utc_ns BIGINT""",
+    "procs": """session VARCHAR, pid INTEGER, rank INTEGER, role VARCHAR, host VARCHAR, status VARCHAR,
+        rows_written JSON, dropped JSON, stopped_reason VARCHAR""",
+    "probes": "session VARCHAR, pid INTEGER, role VARCHAR, probe VARCHAR, status VARCHAR, reason VARCHAR",
+    "ingest_issues": "session VARCHAR, file VARCHAR, problem VARCHAR, bytes_cut BIGINT",
+    "requests": """session VARCHAR, rank INTEGER, request_id VARCHAR, job_id VARCHAR, turn INTEGER,
+        arrival_ns BIGINT, queued_ns BIGINT, first_scheduled_ns BIGINT, first_token_ns BIGINT,
+        finish_ns BIGINT, finish_reason VARCHAR, prompt_tokens INTEGER, output_tokens INTEGER,
+        cached_tokens INTEGER, num_preemptions INTEGER, num_resumptions INTEGER""",
+}
+
+
+def duck_type(t: pa.DataType) -> str:
+    return DUCK_TYPES[str(t)]
+
+
+def table_ddl(table: str) -> str:
+    cols = [f"{c.name} {duck_type(c.type)}" for c in schema.PROCESS_COLUMNS]
+    list_col, hash_col, id_def, hash_def = UNNESTED.get(table, (None, None, None, None))
+    for c in schema.TABLES[table]:
+        if c.name == list_col:
+            cols.append(id_def)
+        elif c.name == hash_col:
+            cols.append(hash_def)
+        else:
+            cols.append(f"{c.name} {duck_type(c.type)}")
+    cols += EXTRA_COLUMNS.get(table, [])
+    return f"CREATE TABLE IF NOT EXISTS {table} ({', '.join(cols)})"
+
+
+def create_tables(con: duckdb.DuckDBPyConnection) -> None:
+    for table in schema.TABLES:
+        con.execute(table_ddl(table))
+    for table, cols in SESSION_TABLES.items():
+        con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
+    con.execute("CREATE TABLE IF NOT EXISTS kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
+    con.execute("INSERT OR REPLACE INTO kvtrace_meta VALUES ('schema_version', ?)",
+                [str(schema.SCHEMA_VERSION)])
+
+
+def open_db(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open a kvtrace DuckDB file; a one-line KvtraceError when it is not one."""
+    path = Path(path)
+    if path.is_dir():
+        raise KvtraceError(f"{path}: is a directory, expected a DuckDB file")
+    if read_only and not path.exists():
+        raise KvtraceError(f"{path}: no such database")
+    try:
+        con = duckdb.connect(str(path), read_only=read_only)
+    except duckdb.Error as exc:
+        raise KvtraceError(f"{path}: not a DuckDB database ({str(exc).splitlines()[0][:120]})") from None
+    if read_only:
+        tables = {r[0] for r in con.execute("select table_name from information_schema.tables").fetchall()}
+        if "kvtrace_meta" not in tables and "sessions" not in tables and not any(
+                t.startswith("nsys_") for t in tables):
+            con.close()
+            raise KvtraceError(f"{path}: a DuckDB database, but not one kvtrace wrote (no kvtrace tables)")
+    return con
+
+
+class Progress:
+    """A one-line progress report on stderr for long ingests (quiet when not a terminal, except at end)."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        import sys
+
+        self.label, self.total, self.enabled, self.done, self.rows = label, total, enabled, 0, 0
+        self.stream = sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = self.last = time.monotonic()
+
+    def step(self, rows: int) -> None:
+        self.done += 1
+        self.rows += rows
+        now = time.monotonic()
+        if self.enabled and (now - self.last > (0.2 if self.tty else 5.0)):
+            self.last = now
+            self._print(end="\r" if self.tty else "\n")
+
+    def _print(self, end: str) -> None:
+        rate = self.rows / max(time.monotonic() - self.t0, 1e-9)
+        print(f"{self.label}: {self.done}/{self.total} shards, {self.rows:,} rows, {rate:,.0f} rows/s",
+              end=end, file=self.stream, flush=True)
+
+    def finish(self) -> None:
+        if self.enabled and time.monotonic() - self.t0 > 1.0:
+            self._print(end="\n")
+
+
+def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, progress: bool = False,
+                   job_pattern: str | None = None) -> dict[str, Any]:
+    """Load one session directory into the open database; returns a report (rows, issues, status)."""
+    session_dir = Path(session_dir)
+    manifest = read_manifest(session_dir)
+    sid = str(manifest.get("session_id") or session_dir.name)
+    create_tables(con)
+    _delete_session(con, sid)
+    procs = proc_dirs(session_dir)
+    shards_by_proc = [(p, read_proc(p), list_shards(p)) for p in procs]
+    total = sum(len(s) for _, _, s in shards_by_proc)
+    bar = Progress(f"ingest {session_dir.name}", total, progress)
+    rows: dict[str, int] = {t: 0 for t in schema.TABLES}
+    issues: list[tuple[str, str, int]] = []
+    incomplete = manifest.get("status") not in ("complete",)
+    t0 = time.monotonic()
+    con.execute("BEGIN TRANSACTION")
+    try:
+        for proc_dir, proc, shards in shards_by_proc:
+            if proc.get("status") != "complete":
+                incomplete = True
+            consts = (sid, int(proc.get("rank", 0) or 0), int(proc.get("pid", 0) or 0))
+            # batch_slots before kv_access: the access rows take their request id from it.
+            for shard in sorted(shards, key=lambda s: (s.table != "batch_slots", s.path.name)):
+                res = ShardRead()
+                for batch in read_shard(shard, res):
+                    _insert(con, shard.table, pad_batch(batch, shard.table), consts)
+                rows[shard.table] += res.rows
+                for problem in res.problems:
+                    issues.append((str(shard.path), problem, res.bytes_cut))
+                    incomplete = True
+                bar.step(res.rows)
+            _insert_proc(con, sid, proc)
+        status = "incomplete" if incomplete else "complete"
+        _insert_session(con, sid, session_dir, manifest, procs, status, job_pattern)
+        for path, problem, cut in issues:
+            con.execute("INSERT INTO ingest_issues VALUES (?, ?, ?, ?)", [sid, path, problem, cut])
+        _derive_requests(con, sid, job_pattern or manifest.get("options", {}).get("job_pattern"))
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    bar.finish()
+    seconds = time.monotonic() - t0
+    events = sum(rows.values())
+    return {"session": sid, "status": status, "rows": rows, "events": events, "seconds": seconds,
+            "events_per_s": events / seconds if seconds > 0 else 0.0, "issues": [p for _, p, _ in issues],
+            "probes": _probe_report(con, sid)}
+
+
+def _delete_session(con: duckdb.DuckDBPyConnection, sid: str) -> None:
+    for table in [*schema.TABLES, *SESSION_TABLES]:
+        con.execute(f"DELETE FROM {table} WHERE session = ?", [sid])
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch, consts: tuple) -> None:
+    n = batch.num_rows
+    if n == 0:
+        return
+    sid, rank, pid = consts
+    data = pa.Table.from_batches([batch])
+    con.register("kvtrace_batch", data)
+    try:
+        head = f"'{_sql_str(sid)}' AS session, {rank}::INTEGER AS rank, {pid}::INTEGER AS pid"
+        if table in UNNESTED:
+            list_col, hash_col, _, _ = UNNESTED[table]
+            cols = [c.name for c in schema.TABLES[table]]
+            select = ", ".join(
+                f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in cols)
+            con.execute(f"INSERT INTO {table} SELECT {head}, {select} FROM kvtrace_batch")
+        elif table == "kv_access":
+            con.execute(f"""INSERT INTO kv_access SELECT {head}, k.*, s.request_id
+                FROM kvtrace_batch k LEFT JOIN batch_slots s
+                  ON s.session = '{_sql_str(sid)}' AND s.pid = {pid} AND s.step = k.step AND s.slot = k.slot""")
+        else:
+            con.execute(f"INSERT INTO {table} SELECT {head}, * FROM kvtrace_batch")
+    finally:
+        con.unregister("kvtrace_batch")
+
+
+def _sql_str(s: str) -> str:
+    return s.replace("'", "''")
+
+
+def _insert_proc(con: duckdb.DuckDBPyConnection, sid: str, proc: dict) -> None:
+    pid, role = int(proc.get("pid", 0) or 0), str(proc.get("role", "proc"))
+    con.execute("INSERT INTO procs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", [
+        sid, pid, int(proc.get("rank", 0) or 0), role, proc.get("host"), proc.get("status"),
+        json.dumps(proc.get("rows_written", {})), json.dumps(proc.get("dropped", {})),
+        proc.get("stopped_reason")])
+    for name, st in (proc.get("probes") or {}).items():
+        if isinstance(st, dict):
+            con.execute("INSERT INTO probes VALUES (?, ?, ?, ?, ?, ?)",
+                        [sid, pid, role, name, st.get("status"), st.get("reason", "")])
+
+
+def _insert_session(con, sid, session_dir, manifest, procs, status, job_pattern) -> None:
+    engine: dict[str, Any] = {}
+    for p in procs:
+        cfg = read_proc(p).get("engine_config") or {}
+        if cfg:
+            engine = cfg
+            break
+    engine = manifest.get("engine_config") or engine
+    clock = manifest.get("clock", {})
+    command = manifest.get("command")
+    con.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [
+        sid, str(session_dir.resolve()), status, manifest.get("schema_version"),
+        manifest.get("kvtrace_version"), manifest.get("vllm_version"),
+        " ".join(command) if isinstance(command, list) else command,
+        clock.get("start_utc_ns"), clock.get("start_monotonic_ns"), clock.get("end_monotonic_ns"),
+        manifest.get("exit_code"), engine.get("block_size"), engine.get("num_kv_blocks"),
+        engine.get("max_num_seqs"), engine.get("max_num_batched_tokens"),
+        engine.get("enable_prefix_caching"), engine.get("enable_chunked_prefill"),
+        engine.get("kv_connector"), engine.get("model"),
+        job_pattern or manifest.get("options", {}).get("job_pattern"),
+        json.dumps(manifest, default=str), time.time_ns()])
+
+
+def _derive_requests(con: duckdb.DuckDBPyConnection, sid: str, job_pattern: str | None) -> None:
+    """One row per request from its lifecycle events; job/turn parsed from the id when a pattern is given.
+
+    The pattern is a regular expression with named groups `job` and `turn`, e.g.
+    `(?P<job>[^-]+)-turn(?P<turn>\\d+)`; DuckDB's regexp wants the `(?<name>...)` spelling.
+    """
+    pattern = (job_pattern or "").replace("(?P<", "(?<")
+    job = f"NULLIF(regexp_extract(request_id, '{_sql_str(pattern)}', 'job'), '')" if pattern else "NULL"
+    turn = (f"TRY_CAST(NULLIF(regexp_extract(request_id, '{_sql_str(pattern)}', 'turn'), '') AS INTEGER)"
+            if pattern else "NULL")
+    con.execute(f"""
+        INSERT INTO requests
+        SELECT session, any_value(rank), request_id, {job}, {turn},
+            min(ts_ns) FILTER (event = 'arrival'), min(ts_ns) FILTER (event = 'queued'),
+            min(ts_ns) FILTER (event = 'scheduled'), min(ts_ns) FILTER (event = 'first_token'),
+            max(ts_ns) FILTER (event = 'finished'), any_value(reason) FILTER (event = 'finished'),
+            any_value(value) FILTER (event = 'arrival'), max(value) FILTER (event = 'finished'),
+            any_value(value) FILTER (event = 'scheduled'),
+            count(*) FILTER (event = 'preempted'), count(*) FILTER (event = 'resumed')
+        FROM request_events WHERE session = ?
+        GROUP BY session, request_id""", [sid])
+
+
+def _probe_report(con: duckdb.DuckDBPyConnection, sid: str) -> list[str]:
+    return [f"{probe} ({role} pid {pid}): {status}: {reason}" for pid, role, probe, status, reason in
+            con.execute("SELECT pid, role, probe, status, reason FROM probes WHERE session = ? AND "
+                        "status NOT IN ('attached', 'off') ORDER BY probe, pid", [sid]).fetchall()]

@@ -1,0 +1,61 @@
+"""A tiny random-weight Llama and its tokenizer, made offline and cached on disk.
+
+Used by `kvtrace demo` and the tests: vLLM's CPU build loads it like any local Hugging Face model.
+Head size 64 (the CPU attention kernel refuses 16), float32, 2 layers. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+MODEL_VERSION = "tiny-llama-v1"  # bump when the recipe changes, so stale caches are not reused
+VOCAB_SIZE = 512
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("KVTRACE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvtrace")
+    return Path(root) / MODEL_VERSION
+
+
+def _training_text() -> list[str]:
+    # Enough variety for a byte-level BPE to learn a few hundred merges; content is irrelevant.
+    words = ("kv cache block prefix token request step layer attention decode prefill schedule "
+             "evict hit miss pin offload swap recompute the a of to and in is for on with").split()
+    return [" ".join(words[(i * 7 + j) % len(words)] for j in range(24)) for i in range(400)]
+
+
+def ensure_tiny_model(path: str | os.PathLike | None = None, layers: int = 2) -> Path:
+    """Create the model folder if it is missing; returns its path. Takes a few seconds the first time."""
+    target = Path(path) if path else default_cache_dir()
+    done = target / ".complete"
+    if done.exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(target)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=fast.vocab_size, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,  # head size 64
+        max_position_embeddings=4096, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(target, safe_serialization=True)
+    (target / "kvtrace_model.json").write_text(json.dumps({"version": MODEL_VERSION, "layers": layers}))
+    done.touch()
+    return target

@@ -1,0 +1,129 @@
+"""What every probe is: named targets checked before patching, undoable patches, and fault isolation.
+
+A probe must never take vLLM down. Before it patches anything it resolves every target it needs and
+checks the parameters it relies on; a missing or changed target disables the probe (reported in the
+process's `proc.json`, then in the manifest, `ingest` and `summary`) and the run goes on. An exception
+raised by probe code inside a wrapper disables that probe for the rest of the run, is counted and
+recorded, and never reaches vLLM: wrappers always call the original.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from kvtrace.recorder import Recorder
+
+
+class TargetMissing(Exception):
+    """A patch target is absent or its signature changed: the probe is disabled, the engine is not."""
+
+
+def resolve(module: str, qualname: str) -> Any:
+    """Import `module` and walk `qualname` (`Class.method`); TargetMissing when any part is absent."""
+    try:
+        obj: Any = importlib.import_module(module)
+    except Exception as exc:  # an optional dependency missing inside vLLM counts as "absent"
+        raise TargetMissing(f"cannot import {module}: {exc.__class__.__name__}: {exc}") from None
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise TargetMissing(f"{module}.{qualname} not found (no attribute {part!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_params(func: Callable, params: tuple[str, ...], where: str) -> None:
+    """The parameters a wrapper reads by name must still exist under those names."""
+    if not params:
+        return
+    try:
+        names = set(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        raise TargetMissing(f"{where}: signature cannot be inspected") from None
+    missing = [p for p in params if p not in names]
+    if missing:
+        raise TargetMissing(f"{where}: signature changed, missing parameter(s) {', '.join(missing)}")
+
+
+class Probe:
+    """A named group of patches that is enabled, disabled or failed as one.
+
+    Subclasses list their targets as (module, qualname, required parameter names) in `targets()` and
+    patch them in `install_patches()` with `self.patch(...)`.
+    """
+
+    name = "probe"
+
+    def __init__(self, recorder: Recorder, options: dict[str, Any]):
+        self.rec = recorder
+        self.options = options
+        self.enabled = False
+        self.faults = 0
+        self._patches: list[tuple[Any, str, Any]] = []
+
+    def targets(self) -> list[tuple[str, str, tuple[str, ...]]]:
+        return []
+
+    def install_patches(self) -> None:
+        raise NotImplementedError
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def install(self) -> bool:
+        """Check every target, then patch. Returns False (and records why) when the probe is off."""
+        extra = self.options.get("extra_targets", {}).get(self.name, [])  # used by drift tests
+        try:
+            for module, qualname, params in [*self.targets(), *[tuple(t) for t in extra]]:
+                check_params(resolve(module, qualname), tuple(params), f"{module}.{qualname}")
+        except TargetMissing as exc:
+            self.rec.set_probe_status(self.name, "disabled", str(exc))
+            self.rec.warn(f"probe {self.name} disabled: {exc}")
+            return False
+        try:
+            self.install_patches()
+        except Exception as exc:
+            self.uninstall()
+            self.rec.set_probe_status(self.name, "failed", f"patching failed: {exc!r}")
+            self.rec.warn(f"probe {self.name} failed to install: {exc!r}")
+            return False
+        self.enabled = True
+        self.rec.set_probe_status(self.name, "attached")
+        return True
+
+    def patch(self, owner: Any, attr: str, make_wrapper: Callable[[Any], Any]) -> Any:
+        """Replace owner.attr by make_wrapper(original); remembered so `uninstall` restores it."""
+        original = owner.__dict__[attr] if attr in getattr(owner, "__dict__", {}) else getattr(owner, attr)
+        wrapper = make_wrapper(original)
+        try:
+            wrapper.__wrapped__ = original
+            wrapper.__kvtrace_probe__ = self.name
+        except AttributeError:
+            pass
+        setattr(owner, attr, wrapper)
+        self._patches.append((owner, attr, original))
+        return original
+
+    def uninstall(self) -> None:
+        for owner, attr, original in reversed(self._patches):
+            setattr(owner, attr, original)
+        self._patches.clear()
+        self.enabled = False
+
+    def fail(self, exc: BaseException) -> None:
+        """Called from a wrapper's except clause: switch this probe off for the rest of the run."""
+        self.faults += 1
+        if not self.enabled:
+            return
+        self.enabled = False
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        at = f" at {where.filename.rsplit('/', 1)[-1]}:{where.lineno}" if where else ""
+        self.rec.set_probe_status(self.name, "failed", f"{exc.__class__.__name__}: {exc}{at}")
+        self.rec.info.setdefault("probe_faults", {})[self.name] = self.faults
+        self.rec.warn(f"probe {self.name} raised {exc!r}{at}; disabled for the rest of the run")
+
+    def maybe_inject_fault(self) -> None:
+        """Test hook: KVTRACE_OPTIONS {"inject_fault": "<probe name>"} makes this probe raise once."""
+        if self.options.get("inject_fault") == self.name:
+            raise RuntimeError(f"injected fault in probe {self.name}")

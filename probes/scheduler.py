@@ -1,0 +1,356 @@
+"""Scheduler probe (EngineCore): one row per step, one per (step, request) scheduled, request
+lifecycle events, preemptions and holds.
+
+Patch points (vLLM 0.32, `vllm.v1.core.sched.scheduler.Scheduler`): `schedule` (a step starts; its
+output is tagged with our step id so the worker can read it), `update_from_output` (the step ends;
+first tokens), `add_request` (arrival), `_preempt_request`, `_free_request` (finish, connector holds),
+`_free_blocks` (a held request's blocks are released), `_handle_blocked_waiting_request` and
+`KVCacheManager.allocate_slots` (why admission stopped).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvtrace.probes.base import Probe
+from kvtrace.probes.context import ctx
+
+_now = time.monotonic_ns
+SCHED = "vllm.v1.core.sched.scheduler"
+KVM = "vllm.v1.core.kv_cache_manager"
+
+try:  # optional: NVTX ranges so an Nsight capture of the same run lines up with ours
+    from kvtrace.probes import nvtx_ranges as _nvtx
+except Exception:  # pragma: no cover - the module is optional
+    _nvtx = None
+
+
+class SchedulerProbe(Probe):
+    name = "scheduler"
+
+    def targets(self):
+        return [
+            (SCHED, "Scheduler.schedule", ()),
+            (SCHED, "Scheduler.update_from_output", ("scheduler_output", "model_runner_output")),
+            (SCHED, "Scheduler.add_request", ("request",)),
+            (SCHED, "Scheduler._preempt_request", ("request",)),
+            (SCHED, "Scheduler._free_request", ("request",)),
+            (SCHED, "Scheduler._free_blocks", ("request",)),
+            (SCHED, "Scheduler._handle_blocked_waiting_request", ("request",)),
+            (KVM, "KVCacheManager.allocate_slots", ("request", "num_new_tokens")),
+        ]
+
+    def install_patches(self) -> None:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        self.steps = self.rec.buffer("steps")
+        self.step_reqs = self.rec.buffer("step_requests")
+        self.req_events = self.rec.buffer("request_events")
+        self.preempts = self.rec.buffer("preemptions")
+        self.pins = self.rec.buffer("pins")
+        self.pending_steps: dict[int, list] = {}  # step -> row awaiting update_from_output
+        self.awaiting_first_token: set[str] = set()
+        self.prefill_chunks: dict[str, int] = {}  # request -> prefill chunks since (re)start
+        self.held: set[str] = set()  # requests whose blocks a connector holds after finish
+        self.kv_short = False  # allocate_slots returned None for a waiting request this step
+        self.blocked = False  # a waiting request was skipped as blocked this step
+        self.preempted_this_step = 0
+        self.config_recorded = False
+        probe = self
+
+        def schedule(orig):
+            def wrapper(sched, *args, **kwargs):
+                if not probe.enabled:
+                    return orig(sched, *args, **kwargs)
+                t0 = _now()
+                probe.kv_short = probe.blocked = False
+                probe.preempted_this_step = 0
+                ctx.step = sched.current_step + 1  # schedule() increments it first thing
+                rng = _nvtx.push_step_phase("schedule", ctx.step) if _nvtx else None
+                out = orig(sched, *args, **kwargs)
+                if rng is not None:
+                    _nvtx.pop(rng)
+                try:
+                    probe.on_schedule(sched, out, t0)
+                except Exception as exc:
+                    probe.fail(exc)
+                return out
+            return wrapper
+
+        def update_from_output(orig):
+            def wrapper(sched, scheduler_output, model_runner_output, *args, **kwargs):
+                if not probe.enabled:
+                    return orig(sched, scheduler_output, model_runner_output, *args, **kwargs)
+                step = getattr(scheduler_output, "_kvtrace_step", ctx.step)
+                ctx.step = step
+                result = orig(sched, scheduler_output, model_runner_output, *args, **kwargs)
+                try:
+                    probe.on_update(step, result)
+                except Exception as exc:
+                    probe.fail(exc)
+                return result
+            return wrapper
+
+        def add_request(orig):
+            def wrapper(sched, request, *args, **kwargs):
+                if probe.enabled:
+                    try:
+                        probe.on_add_request(sched, request)
+                    except Exception as exc:
+                        probe.fail(exc)
+                return orig(sched, request, *args, **kwargs)
+            return wrapper
+
+        def preempt(orig):
+            def wrapper(sched, request, *args, **kwargs):
+                if not probe.enabled:
+                    return orig(sched, request, *args, **kwargs)
+                before = None
+                try:
+                    before = (request.num_computed_tokens, _num_blocks(sched, request.request_id))
+                except Exception as exc:
+                    probe.fail(exc)
+                result = orig(sched, request, *args, **kwargs)
+                if before is not None and probe.enabled:
+                    try:
+                        probe.on_preempt(request, *before)
+                    except Exception as exc:
+                        probe.fail(exc)
+                return result
+            return wrapper
+
+        def free_request(orig):
+            def wrapper(sched, request, *args, **kwargs):
+                result = orig(sched, request, *args, **kwargs)
+                if probe.enabled:
+                    try:
+                        probe.on_finished(sched, request)
+                    except Exception as exc:
+                        probe.fail(exc)
+                return result
+            return wrapper
+
+        def free_blocks(orig):
+            def wrapper(sched, request, *args, **kwargs):
+                if probe.enabled and request.request_id in probe.held:
+                    try:
+                        probe.on_release(sched, request)
+                    except Exception as exc:
+                        probe.fail(exc)
+                return orig(sched, request, *args, **kwargs)
+            return wrapper
+
+        def handle_blocked(orig):
+            def wrapper(sched, request, *args, **kwargs):
+                ready = orig(sched, request, *args, **kwargs)
+                if not ready:
+                    probe.blocked = True
+                return ready
+            return wrapper
+
+        def allocate_slots(orig):
+            def wrapper(kvm, request, num_new_tokens, *args, **kwargs):
+                blocks = orig(kvm, request, num_new_tokens, *args, **kwargs)
+                # None for a request that is not running = admission stopped for lack of KV blocks.
+                if blocks is None and request.status.name != "RUNNING":
+                    probe.kv_short = True
+                return blocks
+            return wrapper
+
+        self.patch(Scheduler, "schedule", schedule)
+        self.patch(Scheduler, "update_from_output", update_from_output)
+        self.patch(Scheduler, "add_request", add_request)
+        self.patch(Scheduler, "_preempt_request", preempt)
+        self.patch(Scheduler, "_free_request", free_request)
+        self.patch(Scheduler, "_free_blocks", free_blocks)
+        self.patch(Scheduler, "_handle_blocked_waiting_request", handle_blocked)
+        self.patch(KVCacheManager, "allocate_slots", allocate_slots)
+
+    # ---- event handlers (EngineCore process, scheduler thread) --------------------------------
+    def on_schedule(self, sched: Any, out: Any, t0: int) -> None:
+        self.maybe_inject_fault()
+        t1 = _now()
+        step = sched.current_step
+        ctx.step = step
+        try:
+            out._kvtrace_step = step  # travels with the output to the worker (pickled attribute)
+        except AttributeError:
+            pass
+        if not self.config_recorded:
+            self.record_engine_config(sched)
+        requests = sched.requests
+        num_sched = out.num_scheduled_tokens
+        rows = self.step_reqs
+        prefill_tokens = prefill_reqs = prompt_new = cached_new = 0
+        for new in out.scheduled_new_reqs:
+            rid = new.req_id
+            req = requests.get(rid)
+            tokens = num_sched.get(rid, 0)
+            computed = new.num_computed_tokens
+            prompt_new += req.num_prompt_tokens if req is not None else 0
+            cached_new += computed
+            chunk = self._next_chunk(rid)
+            blocks = len(new.block_ids[0]) if new.block_ids else 0
+            rows.append((step, rid, tokens, "prefill", chunk, computed, blocks, "new"))
+            prefill_tokens += tokens
+            prefill_reqs += 1
+            self.req_events.append((t1, step, rid, "scheduled", computed, None))
+        cached = out.scheduled_cached_reqs
+        resumed_ids = getattr(cached, "resumed_req_ids", ()) or ()
+        num_resumed = 0
+        for i, rid in enumerate(cached.req_ids):
+            req = requests.get(rid)
+            tokens = num_sched.get(rid, 0)
+            computed = cached.num_computed_tokens[i]
+            new_ids = cached.new_block_ids[i]
+            blocks = len(new_ids[0]) if new_ids else 0
+            resumed = rid in resumed_ids
+            if resumed:
+                num_resumed += 1
+                self.prefill_chunks.pop(rid, None)
+                self.req_events.append((t1, step, rid, "resumed", computed, None))
+            num_tokens = req.num_tokens if req is not None else computed + tokens
+            if resumed or computed + tokens < num_tokens or computed < num_tokens - 1:
+                rows.append((step, rid, tokens, "prefill", self._next_chunk(rid), computed, blocks,
+                             "resumed" if resumed else "running"))
+                prefill_tokens += tokens
+                prefill_reqs += 1
+            else:
+                rows.append((step, rid, tokens, "decode", -1, computed, blocks, "running"))
+        total = out.total_num_scheduled_tokens
+        decode_reqs = len(num_sched) - prefill_reqs
+        pool = sched.kv_cache_manager.block_pool
+        blocks_total = pool.num_gpu_blocks - 1  # block 0 is the null block
+        blocks_used = blocks_total - pool.get_num_free_blocks()
+        num_waiting = len(sched.waiting) + len(getattr(sched, "kv_holding_waiting", ()))
+        budget = sched.max_num_scheduled_tokens
+        self.pending_steps[step] = [
+            step, t0, t1, None, total, prefill_tokens, total - prefill_tokens, prefill_reqs,
+            decode_reqs, len(sched.running), num_waiting, blocks_used, blocks_total, budget,
+            sched.max_num_running_reqs, self._admission_stop(sched, total, budget, num_waiting),
+            self.preempted_this_step, len(out.scheduled_new_reqs), num_resumed, 0, prompt_new,
+            cached_new,
+        ]
+
+    def _next_chunk(self, rid: str) -> int:
+        chunk = self.prefill_chunks.get(rid, 0)
+        self.prefill_chunks[rid] = chunk + 1
+        return chunk
+
+    def _admission_stop(self, sched: Any, total: int, budget: int, num_waiting: int) -> str:
+        """Why the waiting queue stopped being admitted this step (see vllm-hook-map.md)."""
+        if self.preempted_this_step:
+            return "preempted"  # a step that preempted skips the waiting queue entirely
+        if self.kv_short:
+            return "kv-insuf"
+        if num_waiting == 0:
+            return "none"
+        if total >= budget:
+            return "tok-budget"
+        if len(sched.running) >= getattr(sched, "max_num_active_reqs", sched.max_num_running_reqs):
+            return "max-seqs"
+        if self.blocked:
+            return "blocked"
+        if sched.lora_config is not None:
+            return "lora"
+        # Chunked prefill off and the next prompt does not fit the remaining budget.
+        return "tok-budget"
+
+    def on_update(self, step: int, result: Any) -> None:
+        t = _now()
+        row = self.pending_steps.pop(step, None)
+        finished = 0
+        if result:
+            for eco in result.values():
+                for o in eco.outputs:
+                    rid = o.request_id
+                    if rid in self.awaiting_first_token and o.new_token_ids:
+                        self.awaiting_first_token.discard(rid)
+                        self.req_events.append((t, step, rid, "first_token", len(o.new_token_ids), None))
+                    if o.finish_reason is not None:
+                        finished += 1
+        if row is not None:
+            row[3] = t
+            row[19] = finished
+            self.steps.append(tuple(row))
+
+    def on_add_request(self, sched: Any, request: Any) -> None:
+        t = _now()
+        rid = request.request_id
+        arrival = int(request.arrival_time * 1e9) - ctx.utc_minus_mono_ns
+        self.req_events.append((arrival, ctx.step, rid, "arrival", request.num_prompt_tokens, None))
+        self.req_events.append((t, ctx.step, rid, "queued", request.num_prompt_tokens, None))
+        self.awaiting_first_token.add(rid)
+
+    def on_preempt(self, request: Any, computed_before: int, blocks: int) -> None:
+        t = _now()
+        rid = request.request_id
+        self.preempted_this_step += 1
+        self.prefill_chunks.pop(rid, None)
+        self.preempts.append((t, ctx.step, rid, computed_before, blocks, request.num_output_tokens))
+        self.req_events.append((t, ctx.step, rid, "preempted", computed_before, None))
+
+    def on_finished(self, sched: Any, request: Any) -> None:
+        t = _now()
+        rid = request.request_id
+        reason = request.get_finished_reason()
+        reason_name = str(reason).split(".")[-1].lower() if reason is not None else request.status.name
+        self.awaiting_first_token.discard(rid)
+        self.prefill_chunks.pop(rid, None)
+        self.req_events.append((t, ctx.step, rid, "finished", request.num_output_tokens, reason_name))
+        # A connector may delay the free (request_finished returned True): the KV is held.
+        blocks = _block_ids(sched, rid)
+        if blocks:
+            self.held.add(rid)
+            self.pins.append((t, ctx.step, "hold", rid, blocks, None, "connector-delay-free"))
+
+    def on_release(self, sched: Any, request: Any) -> None:
+        rid = request.request_id
+        self.held.discard(rid)
+        self.pins.append((_now(), ctx.step, "release", rid, _block_ids(sched, rid), None,
+                          "connector-delay-free"))
+
+    def record_engine_config(self, sched: Any) -> None:
+        self.config_recorded = True
+        self.rec.role = "engine"
+        cfg = sched.vllm_config
+        sc, cc = cfg.scheduler_config, cfg.cache_config
+        pc = cfg.parallel_config
+        self.rec.info["engine_config"] = {
+            "model": getattr(cfg.model_config, "model", None),
+            "block_size": sched.block_size,
+            "num_kv_blocks": sched.kv_cache_manager.block_pool.num_gpu_blocks,
+            "kv_cache_groups": len(sched.kv_cache_config.kv_cache_groups),
+            "max_num_seqs": sc.max_num_seqs,
+            "max_num_batched_tokens": sc.max_num_batched_tokens,
+            "max_num_scheduled_tokens": sched.max_num_scheduled_tokens,
+            "max_model_len": getattr(cfg.model_config, "max_model_len", None),
+            "enable_prefix_caching": cc.enable_prefix_caching,
+            "enable_chunked_prefill": sc.enable_chunked_prefill,
+            "data_parallel_rank": pc.data_parallel_rank,
+            "data_parallel_size": pc.data_parallel_size,
+            "tensor_parallel_size": pc.tensor_parallel_size,
+            "kv_connector": getattr(cfg.kv_transfer_config, "kv_connector", None)
+            if cfg.kv_transfer_config else None,
+            "scheduler_cls": str(getattr(sc, "scheduler_cls", None)),
+        }
+
+    def close(self) -> None:
+        """Steps whose update_from_output never came (engine stopped) are kept, with no end time."""
+        for row in self.pending_steps.values():
+            self.steps.append(tuple(row))
+        self.pending_steps.clear()
+
+
+def _block_ids(sched: Any, request_id: str) -> list[int]:
+    try:
+        groups = sched.kv_cache_manager.get_block_ids(request_id)
+    except Exception:
+        return []
+    return [b for b in groups[0] if b] if groups else []
+
+
+def _num_blocks(sched: Any, request_id: str) -> int:
+    return len(_block_ids(sched, request_id))
