@@ -248,12 +248,21 @@ def _derive_requests(con: duckdb.DuckDBPyConnection, sid: str, job_pattern: str 
     """One row per request from its lifecycle events; job/turn parsed from the id when a pattern is given.
 
     The pattern is a regular expression with named groups `job` and `turn`, e.g.
-    `(?P<job>[^-]+)-turn(?P<turn>\\d+)`; DuckDB's regexp wants the `(?<name>...)` spelling.
+    `job(?P<job>\\d+)-turn(?P<turn>\\d+)`; groups are passed to DuckDB by index (RE2 syntax).
     """
-    pattern = (job_pattern or "").replace("(?P<", "(?<")
-    job = f"NULLIF(regexp_extract(request_id, '{_sql_str(pattern)}', 'job'), '')" if pattern else "NULL"
-    turn = (f"TRY_CAST(NULLIF(regexp_extract(request_id, '{_sql_str(pattern)}', 'turn'), '') AS INTEGER)"
-            if pattern else "NULL")
+    job = turn = "NULL"
+    if job_pattern:
+        import re
+
+        try:
+            groups = re.compile(job_pattern).groupindex
+        except re.error as exc:
+            raise KvtraceError(f"--job-pattern {job_pattern!r}: not a regular expression ({exc})") from None
+        pat = _sql_str(job_pattern)
+        if "job" in groups:
+            job = f"NULLIF(regexp_extract(request_id, '{pat}', {groups['job']}), '')"
+        if "turn" in groups:
+            turn = f"TRY_CAST(NULLIF(regexp_extract(request_id, '{pat}', {groups['turn']}), '') AS INTEGER)"
     con.execute(f"""
         INSERT INTO requests
         SELECT session, any_value(rank), request_id, {job}, {turn},

@@ -1,0 +1,3 @@
+from kvtrace.cli import main
+
+main()

@@ -1,0 +1,300 @@
+"""The `kvtrace` command line: a thin wrapper over the Python API, one function per command.
+
+Errors a user can act on (`KvtraceError`) print as one line and exit 1; anything unexpected prints one
+line and exits 2, with the traceback only under `--debug` (or KVTRACE_DEBUG=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from kvtrace import __version__
+from kvtrace.errors import KvtraceError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def _parse_size(text: str | None) -> int:
+    if not text:
+        return 0
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().rstrip("b").rstrip("i")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, KeyError):
+        raise KvtraceError(f"--max-size {text!r}: not a size (examples: 500M, 2G, 1000000)") from None
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, prog_name="kvtrace")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+def cli(debug: bool) -> None:
+    """Record, ingest, query and view what vLLM does with its KV cache.
+
+    \b
+    kvtrace record -o run1 -- vllm serve ./model --block-size 32
+    kvtrace ingest run1 -o run1.duckdb
+    kvtrace query run1.duckdb summary
+    kvtrace export run1.duckdb --format html -o run1.html
+    kvtrace demo -o demo/
+    """
+    if debug:
+        os.environ["KVTRACE_DEBUG"] = "1"
+
+
+@cli.command(context_settings={**CONTEXT, "ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-o", "--output", "out", default="kvtrace-session", show_default=True,
+              help="Session directory to write.")
+@click.option("--max-size", default=None, help="Cap on the session's size on disk (e.g. 2G).")
+@click.option("--on-max-size", type=click.Choice(["stop", "drop-oldest"]), default="stop", show_default=True,
+              help="At the cap: stop recording, or delete the oldest shards (losses are counted either way).")
+@click.option("--kv-layers", default="", help="Layers to record per-block KV reads/writes for: '0,15,31' or 'all'.")
+@click.option("--kv-granularity", type=click.Choice(["off", "timing", "blocks"]), default="timing",
+              show_default=True, help="Device/CPU KV access recording: off, per-layer timing (+ one layer's "
+              "block lists per step), or full block records for --kv-layers.")
+@click.option("--kv-sample-every", default=1, show_default=True, help="Record KV accesses every N-th step.")
+@click.option("--job-pattern", default=None,
+              help=r"Regex with named groups job and turn parsed from request ids, e.g. '(?P<job>\w+)-t(?P<turn>\d+)'.")
+@click.option("--nvtx/--no-nvtx", default=True, show_default=True, help="Emit NVTX ranges and marks.")
+@click.option("--nvtx-layers", is_flag=True, help="Also emit an NVTX range per attention layer.")
+@click.option("--flush-interval", default=0.5, show_default=True, help="Seconds between shard flushes.")
+@click.option("--probes", default=None, help="Comma-separated probes to enable (default: all).")
+@click.option("--record-tokens", is_flag=True, help="Also record token ids (off by default: traces carry no prompt data).")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def record(out, max_size, on_max_size, kv_layers, kv_granularity, kv_sample_every, job_pattern, nvtx,
+           nvtx_layers, flush_interval, probes, record_tokens, command) -> None:
+    """Run COMMAND unchanged and record every vLLM process it starts.
+
+    \b
+    kvtrace record -o run1 -- vllm serve ./model --block-size 32
+    kvtrace record -o run2 -- python my_script.py
+    """
+    from kvtrace.record import run_recorded
+
+    options = {
+        "max_size_bytes": _parse_size(max_size), "max_size_policy": on_max_size,
+        "kv_layers": kv_layers, "kv_granularity": kv_granularity, "kv_sample_every": kv_sample_every,
+        "job_pattern": job_pattern, "nvtx": nvtx, "nvtx_layers": nvtx_layers,
+        "flush_interval_s": flush_interval, "record_tokens": record_tokens,
+    }
+    if probes:
+        options["probes"] = [p.strip() for p in probes.split(",") if p.strip()]
+    cmd = list(command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    sys.exit(run_recorded(cmd, out, options))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("sessions", nargs=-1, type=click.Path())
+@click.option("-o", "--output", "db", required=True, help="DuckDB file to write (created or updated).")
+@click.option("--nsys", "nsys", multiple=True, type=click.Path(), help="Nsight Systems SQLite export to load too.")
+@click.option("--job-pattern", default=None, help="Override the session's job/turn regex for request ids.")
+@click.option("--progress/--no-progress", default=None, help="Progress on stderr (default: when a terminal).")
+def ingest(sessions, db, nsys, job_pattern, progress) -> None:
+    """Load recorded sessions (and Nsight SQLite exports) into one DuckDB database.
+
+    \b
+    kvtrace ingest run1 -o run1.duckdb
+    kvtrace ingest run1 --nsys report.sqlite -o run1.duckdb
+    kvtrace ingest --nsys report.sqlite -o nsys.duckdb
+    """
+    from kvtrace.ingest import ingest as do_ingest
+
+    if not sessions and not nsys:
+        raise KvtraceError("nothing to ingest: give a session directory and/or --nsys FILE")
+    show = sys.stderr.isatty() if progress is None else progress
+    for report in do_ingest(list(sessions), db, nsys=list(nsys), progress=show, job_pattern=job_pattern):
+        if "nsys" in report:
+            click.echo(f"nsys {report['nsys']}: " + ", ".join(
+                f"{k} {v}" for k, v in report.items() if k not in ("nsys",) and not isinstance(v, dict)))
+            continue
+        click.echo(f"session {report['session']} ({report['status']}): {report['events']:,} events in "
+                   f"{report['seconds']:.2f} s ({report['events_per_s']:,.0f}/s) -> {db}")
+        for problem in report["issues"]:
+            click.echo(f"  incomplete: {problem}")
+        for line in report["probes"]:
+            click.echo(f"  probe {line}")
+
+
+def _print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:
+    if fmt == "json":
+        click.echo(json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=1))
+    elif fmt == "csv":
+        import csv
+
+        w = csv.writer(sys.stdout)
+        w.writerow(columns)
+        w.writerows(rows)
+    else:
+        widths = [max(len(str(c)), *(len(_cell(r[i])) for r in rows)) if rows else len(str(c))
+                  for i, c in enumerate(columns)]
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(columns, widths)))
+        click.echo("  ".join("-" * w for w in widths))
+        for r in rows:
+            click.echo("  ".join(_cell(v).ljust(w) for v, w in zip(r, widths)))
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return "" if v is None else str(v)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("db", required=False, type=click.Path())
+@click.argument("name", required=False)
+@click.option("--sql", default=None, help="Run this SQL instead of a canned query.")
+@click.option("-p", "--param", "params", multiple=True, help="Query parameter NAME=VALUE (repeatable).")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--list", "list_", is_flag=True, help="List the canned queries.")
+@click.option("--dataset", default=None, type=click.Path(), help="Query a Parquet dataset directory instead of DB.")
+def query(db, name, sql, params, fmt, list_, dataset) -> None:
+    """Run a canned query by name, or any SQL, on a kvtrace database.
+
+    \b
+    kvtrace query --list
+    kvtrace query run1.duckdb summary --format json
+    kvtrace query run1.duckdb prefix_hits -p session=20261122T120000-abcd1234
+    kvtrace query run1.duckdb --sql "select * from steps order by step limit 5"
+    kvtrace query --dataset sessions/ summary
+    """
+    from kvtrace.queries import all_queries, get_query, run_sql
+
+    if list_:
+        for q in all_queries().values():
+            click.echo(f"{q.name:28s} {q.description}")
+        return
+    if dataset is not None and db is not None and name is None:
+        db, name = None, db  # `kvtrace query --dataset DIR NAME`
+    values = {}
+    for p in params:
+        key, sep, value = p.partition("=")
+        if not sep:
+            raise KvtraceError(f"--param {p!r}: expected NAME=VALUE")
+        values[key.strip()] = _coerce(value)
+    if dataset is not None:
+        from kvtrace.dataset import open_dataset
+
+        con = open_dataset(dataset)
+    elif db is None:
+        raise KvtraceError("give a database (kvtrace query DB NAME) or --dataset DIR or --list")
+    else:
+        from kvtrace.ingest.duckdb_load import open_db
+
+        con = open_db(db, read_only=True)
+    try:
+        if sql:
+            columns, rows = run_sql(con, sql, values)
+        elif name:
+            q = get_query(name)
+            columns, rows = run_sql(con, q.sql, values, q.params)
+        else:
+            raise KvtraceError("give a canned query name or --sql (kvtrace query --list shows the names)")
+    finally:
+        con.close()
+    _print_rows(columns, rows, fmt)
+
+
+def _coerce(value: str):
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("sources", nargs=-1, required=True, type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["html", "perfetto", "parquet"]), default=None,
+              help="Output format (default: from the -o extension: .html, .json, else parquet).")
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="File (html, perfetto) or directory (parquet).")
+@click.option("--session", default=None, help="Session id to export when the database holds several.")
+@click.option("--max-events", default=1_000_000, show_default=True, help="HTML viewer: aggregate or sample past this.")
+def export(sources, fmt, out, session, max_events) -> None:
+    """Write a static HTML viewer, Perfetto/Chrome trace JSON, or a Parquet dataset.
+
+    \b
+    kvtrace export run1.duckdb --format html -o run1.html
+    kvtrace export run1.duckdb --format perfetto -o run1.json
+    kvtrace export run1.duckdb run2.duckdb --format parquet -o dataset/
+    kvtrace export session_dir1 session_dir2 --format parquet -o dataset/
+    """
+    if fmt is None:
+        fmt = "html" if out.endswith(".html") else "perfetto" if out.endswith(".json") else "parquet"
+    if fmt == "parquet":
+        from kvtrace.dataset import export_parquet
+
+        report = export_parquet(list(sources), out)
+        click.echo(f"wrote {report['sessions']} session(s), {report['files']} files, "
+                   f"{report['bytes']:,} bytes -> {out}")
+        return
+    if len(sources) != 1:
+        raise KvtraceError(f"--format {fmt} takes one database")
+    if fmt == "html":
+        from kvtrace.viewer import export_html
+
+        info = export_html(sources[0], out, session=session, max_events=max_events)
+    else:
+        from kvtrace.viewer.perfetto import export_perfetto
+
+        info = export_perfetto(sources[0], out, session=session)
+    click.echo(f"wrote {out}" + (f" ({info})" if info else ""))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option("-o", "--output", "out", default="kvtrace-demo", show_default=True, help="Directory for everything.")
+@click.option("--requests", "num_requests", default=24, show_default=True, help="Requests in the workload.")
+def demo(out, num_requests) -> None:
+    """Make a tiny local model, record a vLLM run with prefix sharing and preemptions, ingest, query, view.
+
+    \b
+    kvtrace demo -o demo/
+    """
+    from kvtrace.demo import run_demo
+
+    run_demo(Path(out), num_requests=num_requests)
+
+
+@cli.command("make-model", context_settings=CONTEXT)
+@click.option("-o", "--output", "out", default=None, help="Directory (default: ~/.cache/kvtrace/tiny-llama-v1).")
+def make_model(out) -> None:
+    """Create the tiny random-weight Llama and tokenizer used by the demo and tests (offline).
+
+    \b
+    kvtrace make-model
+    """
+    from kvtrace.model import ensure_tiny_model
+
+    click.echo(str(ensure_tiny_model(out)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="kvtrace", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("kvtrace: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KvtraceError as exc:
+        click.echo(f"kvtrace: error: {exc}", err=True)
+        if os.environ.get("KVTRACE_DEBUG"):
+            traceback.print_exc()
+        sys.exit(1)
+    except (BrokenPipeError, KeyboardInterrupt):
+        sys.exit(130)
+    except Exception as exc:  # a bug of ours: still one line unless asked for more
+        click.echo(f"kvtrace: internal error: {exc.__class__.__name__}: {exc} (rerun with --debug for a traceback)",
+                   err=True)
+        if os.environ.get("KVTRACE_DEBUG"):
+            traceback.print_exc()
+        sys.exit(2)
