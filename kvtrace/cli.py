@@ -66,9 +66,11 @@ def cli(debug: bool) -> None:
 @click.option("--flush-interval", default=0.5, show_default=True, help="Seconds between shard flushes.")
 @click.option("--probes", default=None, help="Comma-separated probes to enable (default: all).")
 @click.option("--record-tokens", is_flag=True, help="Also record token ids (off by default: traces carry no prompt data).")
+@click.option("--options-json", default=None, hidden=True,
+              help="Extra recorder/probe options as a JSON object (tests and experts).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def record(out, max_size, on_max_size, kv_layers, kv_granularity, kv_sample_every, job_pattern, nvtx,
-           nvtx_layers, flush_interval, probes, record_tokens, command) -> None:
+           nvtx_layers, flush_interval, probes, record_tokens, options_json, command) -> None:
     """Run COMMAND unchanged and record every vLLM process it starts.
 
     \b
@@ -85,6 +87,14 @@ def record(out, max_size, on_max_size, kv_layers, kv_granularity, kv_sample_ever
     }
     if probes:
         options["probes"] = [p.strip() for p in probes.split(",") if p.strip()]
+    if options_json:
+        try:
+            extra = json.loads(options_json)
+        except json.JSONDecodeError as exc:
+            raise KvtraceError(f"--options-json: not JSON ({exc})") from None
+        if not isinstance(extra, dict):
+            raise KvtraceError("--options-json: expected a JSON object")
+        options.update(extra)
     cmd = list(command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -125,7 +135,7 @@ def ingest(sessions, db, nsys, job_pattern, progress) -> None:
 
 def _print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:
     if fmt == "json":
-        click.echo(json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=1))
+        click.echo(json.dumps([dict(zip(columns, r, strict=False)) for r in rows], default=str, indent=1))
     elif fmt == "csv":
         import csv
 
@@ -135,10 +145,10 @@ def _print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:
     else:
         widths = [max(len(str(c)), *(len(_cell(r[i])) for r in rows)) if rows else len(str(c))
                   for i, c in enumerate(columns)]
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(columns, widths)))
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(columns, widths, strict=False)))
         click.echo("  ".join("-" * w for w in widths))
         for r in rows:
-            click.echo("  ".join(_cell(v).ljust(w) for v, w in zip(r, widths)))
+            click.echo("  ".join(_cell(v).ljust(w) for v, w in zip(r, widths, strict=False)))
 
 
 def _cell(v) -> str:

@@ -79,7 +79,8 @@ def finalize_session(session_dir: Path, exit_code: int | None, note: str | None 
         engine = engine or proc.get("engine_config") or {}
     clean = exit_code == 0 or exit_code in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT,
                                              128 + signal.SIGTERM)
-    all_closed = all(p["status"] == "complete" for p in procs)
+    # "flushed": the process wrote everything it held when asked, just before it was stopped.
+    all_closed = all(p["status"] in ("complete", "flushed") for p in procs)
     manifest.update({
         "status": "complete" if clean and all_closed else "incomplete",
         "exit_code": exit_code,
@@ -122,6 +123,7 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
             if interrupts >= 2:  # the user insists: leave nothing behind
                 os.killpg(child.pid, signal.SIGKILL)
             else:
+                request_flush(session_dir)
                 os.killpg(child.pid, signum)
         except ProcessLookupError:
             pass
@@ -143,6 +145,31 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
     if not quiet:
         print(f"kvtrace: session {session_dir} ({manifest['status']}, exit {code})", file=sys.stderr)
     return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N, as a shell does
+
+
+def request_flush(session_dir: Path, timeout_s: float = 2.0) -> None:
+    """Ask every recording process of this host to write what it holds (SIGUSR2), and wait a moment.
+
+    vLLM's front end kills its engine right after asking it to stop, so the engine's last rows must be
+    on disk before the stop signal goes out."""
+    import socket
+
+    asked: dict[Path, int] = {}
+    host = socket.gethostname()
+    for p in proc_dirs(session_dir):
+        proc = read_proc(p)
+        pid = int(proc.get("pid") or 0)
+        if pid <= 0 or proc.get("host", host) != host or proc.get("status") in ("complete", "flushed"):
+            continue
+        try:
+            os.kill(pid, signal.SIGUSR2)
+            asked[p] = pid
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    while asked and time.monotonic() < deadline:
+        asked = {p: pid for p, pid in asked.items() if read_proc(p).get("status") not in ("flushed", "complete")}
+        time.sleep(0.02)
 
 
 def _wait_group_exit(pgid: int, timeout_s: float) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -31,6 +32,9 @@ from kvtrace.session import PROC_FILE, session_size_bytes, write_json_atomic
 
 OPEN_SUFFIX = ".partial"  # a shard still being written; renamed to `.arrows` when closed
 SHARD_SUFFIX = ".arrows"
+# Never deleted by --on-max-size drop-oldest: the record of what was lost, and the clock anchors that
+# align everything else (both tiny).
+KEEP_TABLES = ("drops", "clock_anchors")
 
 
 class ShardWriter:
@@ -49,6 +53,18 @@ class ShardWriter:
         self._bytes = 0
         self._rows = 0
         self._opened_at = 0.0
+        self.bytes_total = 0  # bytes written by this writer, all shards (for the max-size forecast)
+
+    @property
+    def open_rows(self) -> int:
+        """Rows in the shard being written (0 when none is open)."""
+        return self._rows if self._file is not None else 0
+
+    def rotate_if_old(self) -> None:
+        """Close the open shard once it is `rotate_s` old even when no batch comes to trigger it, so a
+        quiet table does not keep one `.partial` file open for the whole run."""
+        if self._file is not None and time.monotonic() - self._opened_at >= self.rotate_s:
+            self.close()
 
     def _open(self) -> None:
         self._path = self.directory / f"{self.table}.{self.seq:05d}{SHARD_SUFFIX}{OPEN_SUFFIX}"
@@ -61,6 +77,7 @@ class ShardWriter:
         self._file.write(header)
         self._file.flush()
         self._bytes, self._rows, self._opened_at = len(header), 0, time.monotonic()
+        self.bytes_total += len(header)
 
     def write(self, batch: pa.RecordBatch) -> int:
         """Append one batch; returns the bytes written. Raises OSError on disk trouble."""
@@ -70,6 +87,7 @@ class ShardWriter:
         self._file.write(payload)  # one write: a kill leaves whole batches or a detectable tail
         self._file.flush()
         self._bytes += len(payload)
+        self.bytes_total += len(payload)
         self._rows += batch.num_rows
         if self._bytes >= self.rotate_bytes or time.monotonic() - self._opened_at >= self.rotate_s:
             self.close()
@@ -79,6 +97,7 @@ class ShardWriter:
         if self._file is None:
             return
         self._file.write(b"\xff\xff\xff\xff\x00\x00\x00\x00")  # Arrow end-of-stream marker
+        self.bytes_total += 8
         self._file.close()
         final = self._path.with_name(self._path.name[: -len(OPEN_SUFFIX)])
         os.replace(self._path, final)
@@ -106,6 +125,12 @@ class Recorder:
         self.max_pending_rows = int(options.get("max_pending_rows", 5_000_000))
         self.max_size_bytes = int(options.get("max_size_bytes", 0))  # 0 = no cap
         self.max_size_policy = options.get("max_size_policy", "stop")  # or "drop-oldest"
+        if self.max_size_policy not in ("stop", "drop-oldest"):
+            self.max_size_policy = "stop"
+        if self.max_size_bytes and self.max_size_policy == "drop-oldest":
+            # Dropping works a closed shard at a time: keep shards small against the cap, so one drop
+            # loses a small slice of the run and open shards cannot hold most of the budget.
+            self.rotate_bytes = min(self.rotate_bytes, max(self.max_size_bytes // 64, 64 << 10))
         self.options = options
         self.buffers: dict[str, list] = {t: [] for t in schema.TABLES}
         self._start()
@@ -125,14 +150,46 @@ class Recorder:
         self.dropped: dict[str, dict[str, int]] = {}
         self.info: dict[str, Any] = {"probes": {}, "engine_config": {}}
         self.stopped_reason: str | None = None  # set when writing stopped for good
+        self._held_drops: dict[tuple[str, str], int] = {}  # losses counted after stopping, written at close
+        self._bytes_checked = 0  # shard bytes written up to the last max-size check
         self.started_ns = time.monotonic_ns()
         self._lock = threading.Lock()  # serialises flushes (writer thread vs. close); never on the hot path
         self._closed = False
         self._stop = threading.Event()
         self.add_clock_anchor()
-        self._write_proc_file(status="running")
+        self.status = "running"
+        self._write_proc_file(status=self.status)
         self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
         self._thread.start()
+        self._install_flush_signal()
+
+    def _install_flush_signal(self) -> None:
+        """SIGUSR2 = "flush now": `kvtrace record` sends it to every recording process before it passes a
+        SIGINT/SIGTERM on, because vLLM's front end force-kills its engine right after asking it to stop
+        (shutdown timeout 0), which leaves no time for atexit. Only where nobody else handles SIGUSR2."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGUSR2) in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGUSR2, self._on_flush_signal)
+        except (ValueError, OSError, AttributeError):
+            pass
+
+    def _on_flush_signal(self, _signum, _frame) -> None:
+        # Runs in the main thread between bytecodes; the writer thread may hold the lock for a moment.
+        threading.Thread(target=self._flush_now, name="kvtrace-flush", daemon=True).start()
+
+    def _flush_now(self) -> None:
+        try:
+            from kvtrace.probes.plugin import close_probes
+
+            close_probes()  # pending step rows, device rings
+        except Exception:
+            pass
+        with self._lock:
+            if not self._closed:
+                self.status = "flushed"  # everything so far is on disk; the process may die any moment
+                self._flush_locked()
 
     def _after_fork(self) -> None:
         """A forked child keeps the buffer lists (probes hold references to them) but not the parent's
@@ -147,6 +204,13 @@ class Recorder:
     def buffer(self, table: str) -> list:
         """The list probes append row tuples to (column order = kvtrace.schema.TABLES[table])."""
         return self.buffers[table]
+
+    def append_columns(self, table: str, cols: dict[str, Any]) -> None:
+        """Append rows given as whole columns (NumPy arrays, one per schema column): the bulk path for
+        decoded device records, which would cost a Python tuple per row otherwise."""
+        sch = schema.arrow_schema(table)
+        batch = pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in sch], schema=sch)
+        self.buffers[table].append(batch)  # a whole batch in the row list; the flush tells them apart
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def add_clock_anchor(self, device_ns: int | None = None, source: str = "host") -> None:
@@ -192,27 +256,34 @@ class Recorder:
             if not rows:
                 continue
             if self.stopped_reason is not None:
-                if table != "drops":
-                    self.count_drop(table, len(rows), self.stopped_reason)
+                if table == "drops":
+                    self._hold_drops(rows)  # written at close, so the drops table records the loss too
+                else:
+                    self.count_drop(table, _row_count(rows), self.stopped_reason)
                 continue
             if len(rows) > self.max_pending_rows:  # the writer fell far behind: keep the newest
                 self.count_drop(table, len(rows) - self.max_pending_rows, "buffer-cap")
                 rows = rows[-self.max_pending_rows:]
             try:
-                batch = rows_to_batch(table, rows)
-                self.writers[table].write(batch)
-                self.rows_written[table] += len(rows)
+                for batch in _batches(table, rows):
+                    self.writers[table].write(batch)
+                    self.rows_written[table] += batch.num_rows
             except OSError as exc:
-                self._stop_writing(f"writer-error", f"cannot write shards in {self.dir}: {exc}")
+                self._stop_writing("writer-error", f"cannot write shards in {self.dir}: {exc}")
                 if table != "drops":
-                    self.count_drop(table, len(rows), "writer-error")
+                    self.count_drop(table, _row_count(rows), "writer-error")
             except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
                 # A probe produced a row that does not fit the schema: a kvtrace bug, never vLLM's.
-                self.warn(f"dropped {len(rows)} {table} rows that do not fit the schema: {exc}")
-                self.count_drop(table, len(rows), "bad-row")
+                self.warn(f"dropped {_row_count(rows)} {table} rows that do not fit the schema: {exc}")
+                self.count_drop(table, _row_count(rows), "bad-row")
+        for w in self.writers.values():
+            try:
+                w.rotate_if_old()
+            except OSError:
+                pass  # a rename that fails now is retried at the next flush or at close
         if self.max_size_bytes and self.stopped_reason is None:
             self._enforce_max_size()
-        self._write_proc_file(status="running")
+        self._write_proc_file(status=self.status)
 
     def _stop_writing(self, cause: str, message: str) -> None:
         if self.stopped_reason is None:
@@ -220,28 +291,71 @@ class Recorder:
             self.warn(f"stopped recording: {message}; further rows are counted as lost")
 
     def _enforce_max_size(self) -> None:
-        if session_size_bytes(self.session_dir) <= self.max_size_bytes:
+        """Apply `max_size_bytes` (the whole session's size on disk, all processes) after a flush.
+
+        stop: stop writing as soon as one more flush like the last would pass the cap, so the session
+        stays under it while the event rate is steady; every row from then on is counted as lost
+        (cause max-size). drop-oldest: delete this process's oldest closed shards until the session
+        fits again, counting their rows as lost (cause max-size); the tables in `KEEP_TABLES` are never
+        deleted. Either way the losses are in proc.json at once and in the drops table.
+        """
+        size = session_size_bytes(self.session_dir)
+        written = sum(w.bytes_total for w in self.writers.values())
+        last_flush, self._bytes_checked = written - self._bytes_checked, written
+        if self.max_size_policy != "drop-oldest":
+            if size + last_flush > self.max_size_bytes:
+                self._stop_writing("max-size", f"session reached --max-size {self.max_size_bytes} bytes "
+                                               f"({size} bytes on disk)")
             return
-        if self.max_size_policy == "drop-oldest":
-            # Delete this process's oldest closed shards until the session fits again.
-            shards = sorted(
-                ((p, rows, w.table) for w in self.writers.values() for p, rows in w.closed_shards),
-                key=lambda x: x[0].stat().st_mtime if x[0].exists() else 0,
-            )
-            for path, rows, table in shards:
-                if session_size_bytes(self.session_dir) <= self.max_size_bytes:
-                    break
+        if size <= self.max_size_bytes:
+            return
+        candidates = []
+        for table, w in self.writers.items():
+            if table in KEEP_TABLES:
+                continue
+            for path, rows in w.closed_shards:
                 try:
-                    path.unlink()
+                    candidates.append((path.stat().st_mtime_ns, path.name, path, rows, table))
                 except OSError:
-                    continue
+                    candidates.append((0, path.name, path, rows, table))  # gone: forget it below
+        for _mtime, _name, path, rows, table in sorted(candidates):
+            if size <= self.max_size_bytes:
+                break
+            try:
+                n = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:  # deleted by hand: nothing to count, nothing to free
                 self.writers[table].closed_shards.remove((path, rows))
-                self.count_drop(table, rows, "max-size")
-            if session_size_bytes(self.session_dir) > self.max_size_bytes:
-                for w in self.writers.values():
-                    w.close()  # open shards become closed shards, dropped at the next flush
-        else:
-            self._stop_writing("max-size", f"session reached --max-size {self.max_size_bytes} bytes")
+                continue
+            except OSError:
+                continue
+            size -= n
+            self.writers[table].closed_shards.remove((path, rows))
+            self.count_drop(table, rows, "max-size")
+        if size > self.max_size_bytes:
+            # What is left of ours is in open shards: close them, so the next flush can drop them.
+            for table, w in self.writers.items():
+                if table not in KEEP_TABLES and w.open_rows:
+                    w.close()
+
+    def _hold_drops(self, rows: list) -> None:
+        for _ts, table, n, cause in rows:
+            self._held_drops[(table, cause)] = self._held_drops.get((table, cause), 0) + n
+
+    def _write_held_drops(self) -> None:
+        """At close: write the loss rows counted after writing stopped (and by the last max-size check)
+        to the drops table, even past the cap: a few rows, and the record of what is missing."""
+        self._hold_drops(self._take("drops"))
+        if not self._held_drops:
+            return
+        now = time.monotonic_ns()
+        batch = rows_to_batch("drops", [(now, t, n, c) for (t, c), n in sorted(self._held_drops.items())])
+        try:
+            self.writers["drops"].write(batch)
+            self.rows_written["drops"] += batch.num_rows
+            self._held_drops.clear()
+        except OSError:
+            pass  # proc.json still has the counts
 
     def _write_proc_file(self, status: str) -> None:
         doc = {
@@ -271,6 +385,7 @@ class Recorder:
         self._stop.set()
         with self._lock:
             self._flush_locked()
+            self._write_held_drops()
             for w in self.writers.values():
                 try:
                     w.close()
@@ -279,11 +394,32 @@ class Recorder:
             self._write_proc_file(status="complete")
 
 
+def _row_count(rows: list) -> int:
+    return sum(r.num_rows if isinstance(r, pa.RecordBatch) else 1 for r in rows)
+
+
+def _batches(table: str, rows: list) -> list[pa.RecordBatch]:
+    """Row tuples and whole batches (from append_columns) as RecordBatches, in order."""
+    out: list[pa.RecordBatch] = []
+    run: list[tuple] = []
+    for row in rows:
+        if isinstance(row, pa.RecordBatch):
+            if run:
+                out.append(rows_to_batch(table, run))
+                run = []
+            out.append(row)
+        else:
+            run.append(row)
+    if run:
+        out.append(rows_to_batch(table, run))
+    return out
+
+
 def rows_to_batch(table: str, rows: list[tuple]) -> pa.RecordBatch:
     """Transpose row tuples into a RecordBatch of `table`'s schema."""
     sch = schema.arrow_schema(table)
-    cols = list(zip(*rows)) if rows else [[] for _ in sch]
-    arrays = [pa.array(col, type=field.type) for col, field in zip(cols, sch)]
+    cols = list(zip(*rows, strict=False)) if rows else [[] for _ in sch]
+    arrays = [pa.array(col, type=field.type) for col, field in zip(cols, sch, strict=False)]
     return pa.RecordBatch.from_arrays(arrays, schema=sch)
 
 

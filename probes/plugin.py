@@ -53,6 +53,7 @@ def register() -> None:
 
 
 def close_probes() -> None:
+    """Let probes flush what they hold (pending steps, device rings); safe to call more than once."""
     for probe in _installed:
         close = getattr(probe, "close", None)
         if close is not None:
@@ -60,3 +61,13 @@ def close_probes() -> None:
                 close()
             except Exception:
                 pass
+
+
+def close_all() -> None:
+    """Finish this process's recording now (the engine is shutting down)."""
+    close_probes()
+    from kvtrace.recorder import get_recorder
+
+    rec = get_recorder()
+    if rec is not None:
+        rec.close()

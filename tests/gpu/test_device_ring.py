@@ -1,0 +1,295 @@
+"""The device KV access ring (CuPy kernels) against the CPU ring, record for record, on vLLM-shaped
+attention metadata: eager, under CUDA graph capture and replay, with wraps, sampling and clock anchors.
+
+Needs CUDA and CuPy; skipped otherwise. Run on a GPU machine: `python -m pytest -q tests/gpu`.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+try:
+    import torch
+except Exception as exc:  # pragma: no cover
+    pytest.skip(f"torch is not importable: {exc}", allow_module_level=True)
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device (the device ring tests need a GPU)", allow_module_level=True)
+try:
+    import cupy  # noqa: F401
+except Exception as exc:
+    pytest.skip(f"CuPy is not importable ({exc}); install cupy-cuda12x/13x for the device ring",
+                allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvtrace.probes.kv_ring import CPUKVAccessRing, MemoryRecorder, make_ring  # noqa: E402
+from test_kv_ring import (  # noqa: E402
+    chaotic_metadata,
+    expected_rows,
+    make_metadata,
+    strip_ts,
+)
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda", torch.cuda.current_device())
+
+
+def rings(**kw):
+    """A GPU ring and a CPU ring with the same settings, each with its own MemoryRecorder."""
+    rg, rc = MemoryRecorder(), MemoryRecorder()
+    return make_ring(DEV, recorder=rg, **kw), rg, CPUKVAccessRing(recorder=rc, **kw), rc
+
+
+def on_dev(meta):
+    return tuple(t.to(DEV) for t in meta)
+
+
+def kv(rec):
+    return sorted(strip_ts(rec.buffers.get("kv_access", [])))
+
+
+def timings(rec):
+    return sorted((r[0], r[1], r[3], r[4]) for r in rec.buffers.get("layer_timings", []))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eager_records_equal_cpu_ring(seed):
+    rng = random.Random(seed)
+    bs = [16, 1, 32, 16, 4, 16][seed]
+    slot_dtype = torch.int32 if seed == 3 else torch.int64
+    g, rg, c, rc = rings(capacity=1 << 16, block_size=bs, granularity="blocks", layers="all")
+    expected = []
+    for step in range(3):
+        meta = make_metadata(rng, num_reqs=rng.randrange(1, 40), block_size=bs, slot_dtype=slot_dtype)
+        dmeta = on_dev(meta)
+        g.begin_step(step)
+        c.begin_step(step)
+        for layer in range(4):
+            g.record_layer(layer, *dmeta)
+            c.record_layer(layer, *meta)
+            expected += expected_rows(step, layer, meta, bs)
+    g.close()
+    c.close()
+    assert kv(rg) == kv(rc) == sorted(expected)
+    assert timings(rg) == timings(rc)
+    assert rg.dropped == {} and g.stats["kv_dropped"] == 0
+
+
+def test_arbitrary_slots_equal_reference():
+    rng = random.Random(77)
+    g, rg, c, rc = rings(capacity=1 << 16, block_size=4, granularity="blocks")
+    for step in range(300):
+        meta = chaotic_metadata(rng)
+        g.begin_step(step)
+        c.begin_step(step)
+        g.record_layer(1, *on_dev(meta))
+        c.record_layer(1, *meta)
+    g.close()
+    c.close()
+    assert kv(rg) == kv(rc)
+    assert timings(rg) == timings(rc)
+
+
+def test_large_batches_use_the_grid_stride_loops():
+    """More requests and tokens than one launch has CUDA blocks for (1024 per part)."""
+    rng = random.Random(5)
+    meta = make_metadata(rng, num_reqs=9000, max_blocks=4, pad_tokens=200_000, pad_reqs=50)
+    g, rg, c, rc = rings(capacity=1 << 18, granularity="blocks", timing_capacity=16)
+    g.begin_step(0)
+    c.begin_step(0)
+    g.record_layer(0, *on_dev(meta))
+    c.record_layer(0, *meta)
+    g.close()
+    c.close()
+    assert kv(rg) == kv(rc)
+    assert timings(rg) == timings(rc)
+
+
+def test_decode_shape_and_timing_granularity():
+    """Llama-like decode batch; default granularity: block records for the first layer of each KV group."""
+    rng = random.Random(6)
+    a = make_metadata(rng, num_reqs=256, max_blocks=192, pad_tokens=0, pad_reqs=0)
+    b = make_metadata(rng, num_reqs=31, max_blocks=16)  # a second KV group
+    da, db = on_dev(a), on_dev(b)
+    g, rg, c, rc = rings(capacity=1 << 18)
+    for step in range(3):
+        g.begin_step(step)
+        c.begin_step(step)
+        for layer in range(8):
+            g.record_layer(layer, *(db if layer % 4 == 3 else da))
+            c.record_layer(layer, *(b if layer % 4 == 3 else a))
+    g.close()
+    c.close()
+    assert kv(rg) == kv(rc)
+    assert {(r[0], r[1]) for r in kv(rg)} == {(s, lay) for s in range(3) for lay in (0, 3)}
+    assert timings(rg) == timings(rc) and len(timings(rg)) == 24
+
+
+def _pad_to(meta, num_tokens):
+    sm = torch.full((num_tokens,), -1, dtype=meta[0].dtype)
+    sm[: meta[0].shape[0]] = meta[0]
+    return (sm, *meta[1:])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_graph_capture_and_replay_exact_per_step(overlap):
+    """Captured once; each replay reads new metadata from the same buffers and the step id from device
+    memory: every replay's records carry its own step. overlap: record kernels on a forked side stream."""
+    rng = random.Random(9)
+    T = 1200
+    static = on_dev(_pad_to(make_metadata(rng, num_reqs=20, pad_tokens=0), T))
+    g, rg, c, rc = rings(capacity=1 << 16, granularity="blocks", layers="0,2", sample_every=1, overlap=overlap)
+    g.begin_step(0, record=False)  # starts the drain thread: it must not disturb the capture
+    c.begin_step(0, record=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(4):
+            g.record_layer(layer, *static)
+            if overlap:  # some main-stream work between the layers, as attention would be
+                static[2].add_(0)
+    assert not g._fork_pending  # joined at capture end
+    for step in range(1, 7):
+        meta = _pad_to(make_metadata(rng, num_reqs=20, pad_tokens=0), T)
+        for dst, src in zip(static, meta, strict=True):
+            dst.copy_(src)
+        record = step != 4  # a step the caller switches off: the replay must record nothing
+        g.begin_step(step, record=record)
+        c.begin_step(step, record=record)
+        graph.replay()
+        for layer in range(4):
+            c.record_layer(layer, *meta)
+    g.close()
+    c.close()
+    assert kv(rg) == kv(rc)
+    assert {r[0] for r in kv(rg)} == {1, 2, 3, 5, 6}
+    assert {r[1] for r in kv(rg)} == {0, 2}
+    assert timings(rg) == timings(rc) and len(timings(rg)) == 5 * 4
+
+
+def test_sampling_inside_a_graph():
+    rng = random.Random(10)
+    static = on_dev(make_metadata(rng, num_reqs=8))
+    g, rg, _, _ = rings(capacity=1 << 14, granularity="blocks", sample_every=3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g.record_layer(0, *static)
+    for step in range(10):
+        g.begin_step(step)
+        graph.replay()
+    g.close()
+    assert {r[0] for r in kv(rg)} == {0, 3, 6, 9}
+    assert [r[0] for r in sorted(rg.buffers["layer_timings"])] == [0, 3, 6, 9]
+
+
+def test_wrap_drops_are_exact():
+    """Sequential launches between drains: exactly head - tail - capacity records are lost."""
+    rng = random.Random(11)
+    cap = 64
+    g, rg, _, _ = rings(capacity=cap, timing_capacity=4, granularity="blocks", auto_drain=False)
+    g.begin_step(0)
+    expected = []
+    for layer in range(30):
+        meta = make_metadata(rng, num_reqs=rng.randrange(1, 3), max_blocks=3)
+        g.record_layer(layer, *on_dev(meta))
+        expected += expected_rows(0, layer, meta, 16)
+    assert len(expected) > cap
+    g.flush()
+    rows = strip_ts(rg.buffers["kv_access"])
+    assert len(rows) == cap
+    assert rg.dropped["kv_access"] == {"ring-wrap": len(expected) - cap}
+    assert not Counter(rows) - Counter(expected)  # every surviving record is a real one
+    assert len(rg.buffers["layer_timings"]) == 4
+    assert rg.dropped["layer_timings"] == {"ring-wrap": 30 - 4}
+    # the ring goes on exactly after a wrap
+    g.begin_step(1)
+    meta = make_metadata(rng, num_reqs=1, max_blocks=2)
+    g.record_layer(0, *on_dev(meta))
+    g.close()
+    assert sorted(strip_ts(rg.buffers["kv_access"])[cap:]) == sorted(expected_rows(1, 0, meta, 16))
+    assert rg.dropped["kv_access"] == {"ring-wrap": len(expected) - cap}
+
+
+def test_one_launch_larger_than_the_ring_loses_nothing_silently():
+    meta = make_metadata(random.Random(12), num_reqs=30)
+    expected = expected_rows(0, 0, meta, 16)
+    g, rg, _, _ = rings(capacity=32, granularity="blocks")
+    g.begin_step(0)
+    g.record_layer(0, *on_dev(meta))
+    g.close()
+    rows = strip_ts(rg.buffers.get("kv_access", []))
+    dropped = rg.dropped["kv_access"]["ring-wrap"]
+    assert len(rows) + dropped == len(expected)
+    assert len(rows) <= 32 and dropped >= len(expected) - 32
+    assert not Counter(rows) - Counter(expected)
+
+
+def test_clock_anchors_and_timestamps():
+    meta = on_dev(make_metadata(random.Random(13)))
+    g, rg, _, _ = rings(capacity=1 << 14, granularity="blocks")
+    torch.cuda.synchronize()
+    t0 = time.monotonic_ns()
+    g.begin_step(0)
+    g.record_layer(0, *meta)
+    torch.cuda.synchronize()
+    t1 = time.monotonic_ns()
+    g.close()
+    anchors = rg.buffers["clock_anchors"]
+    assert len(anchors) >= 2 and all(a[3] == f"cuda:{DEV.index}" and a[2] > 0 for a in anchors)
+    slack = 2_000_000  # 2 ms: anchor error is a round trip (~tens of us)
+    for row in rg.buffers["kv_access"] + rg.buffers["layer_timings"]:
+        assert t0 - slack <= row[2] <= t1 + slack
+
+
+def test_hot_path_never_syncs_or_allocates():
+    meta = on_dev(make_metadata(random.Random(14)))
+    g, rg, _, _ = rings(capacity=1 << 14, granularity="blocks")
+    g.begin_step(0)
+    g.record_layer(0, *meta)  # first call per layer builds its launch
+    g.flush()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 20):
+            g.begin_step(step)
+            for layer in range(3):
+                g.record_layer(layer, *meta)
+            g.drain()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.cuda.memory_allocated() == before
+    g.close()
+    assert len({r[0] for r in rg.buffers["kv_access"]}) == 20
+
+
+def test_eager_call_is_cheap():
+    """A loose bound here (shared CI-like load); bench/bench_device_ring.py reports the real figure."""
+    meta = on_dev(make_metadata(random.Random(15), num_reqs=64))
+    g, _, _, _ = rings(capacity=1 << 16, granularity="timing", layers="none")
+    g.begin_step(0)
+    for i in range(100):
+        g.record_layer(i % 32, *meta)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = 2000
+    for i in range(n):
+        g.record_layer(i % 32, *meta)
+    per_call_us = (time.perf_counter() - t0) / n * 1e6
+    g.close()
+    assert per_call_us < 50, per_call_us
+
+
+def test_rejects_wrong_metadata_clearly():
+    g, _, _, _ = rings(capacity=1 << 10)
+    sm, bt, sl, qsl = on_dev(make_metadata(random.Random(16)))
+    g.begin_step(0)
+    with pytest.raises(TypeError, match="block_table"):
+        g.record_layer(0, sm, bt.long(), sl, qsl)
+    with pytest.raises(ValueError, match="on cpu"):
+        g.record_layer(0, sm.cpu(), bt, sl, qsl)
+    g.close()
