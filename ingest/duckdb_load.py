@@ -4,7 +4,12 @@ Every row gets the process columns (`session`, `rank`, `pid`). Block events are 
 per block; device access records get their request id from the worker's batch slots. After the shards,
 ingest derives `requests` (one row per request) and the session-level tables (`sessions`, `procs`,
 `probes`, `ingest_issues`). Re-ingesting a session replaces its rows, so ingest is idempotent.
-Memory is bounded by one shard batch at a time (the recorder writes batches of at most a flush).
+
+Loading streams: shard batches (a recorder flush each, often a few hundred rows) are gathered into
+one INSERT of up to `INSERT_ROWS` rows / `INSERT_BYTES` bytes, because DuckDB's cost per statement
+(~5 ms: planning, registering the Arrow data) would otherwise dwarf the rows. Memory is bounded by
+that gathering and DuckDB's own buffers, never by the session's size. One transaction per session:
+a failed ingest leaves the database as it was.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvtrace import schema
 from kvtrace.errors import KvtraceError
@@ -46,6 +52,12 @@ SESSION_TABLES = {
         finish_ns BIGINT, finish_reason VARCHAR, prompt_tokens INTEGER, output_tokens INTEGER,
         cached_tokens INTEGER, num_preemptions INTEGER, num_resumptions INTEGER""",
 }
+
+
+# Shard rows gathered into one INSERT (block_events rows unnest to ~10 database rows each).
+INSERT_ROWS = 2_000_000
+INSERT_BYTES = 192 << 20
+ROW_GROUP = 122_880  # DuckDB's row group size
 
 
 def duck_type(t: pa.DataType) -> str:
@@ -106,9 +118,17 @@ class Progress:
         self.stream = sys.stderr
         self.tty = self.stream.isatty()
         self.t0 = self.last = time.monotonic()
+        self._shard_rows = 0
 
     def step(self, rows: int) -> None:
+        """A shard done (its rows already counted by `add`, if any; `rows` beyond those are added)."""
         self.done += 1
+        self.add(max(rows - self._shard_rows, 0))
+        self._shard_rows = 0
+
+    def add(self, rows: int) -> None:
+        """Rows read so far of the shard in progress (big shards report before they end)."""
+        self._shard_rows += rows
         self.rows += rows
         now = time.monotonic()
         if self.enabled and (now - self.last > (0.2 if self.tty else 5.0)):
@@ -144,19 +164,25 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     con.execute("BEGIN TRANSACTION")
     try:
         for proc_dir, proc, shards in shards_by_proc:
-            if proc.get("status") != "complete":
+            if proc.get("status") not in ("complete", "flushed"):
                 incomplete = True
             consts = (sid, int(proc.get("rank", 0) or 0), int(proc.get("pid", 0) or 0))
+            loader = _Gather(con, consts)
             # batch_slots before kv_access: the access rows take their request id from it.
             for shard in sorted(shards, key=lambda s: (s.table != "batch_slots", s.path.name)):
                 res = ShardRead()
+                ncols = len(schema.TABLES[shard.table])
                 for batch in read_shard(shard, res):
-                    _insert(con, shard.table, pad_batch(batch, shard.table), consts)
+                    if batch.num_columns != ncols:  # an older shard: pad its missing trailing columns
+                        batch = pad_batch(batch, shard.table)
+                    loader.add(shard.table, batch)
+                    bar.add(batch.num_rows)
                 rows[shard.table] += res.rows
                 for problem in res.problems:
                     issues.append((str(shard.path), problem, res.bytes_cut))
                     incomplete = True
                 bar.step(res.rows)
+            loader.flush()
             _insert_proc(con, sid, proc)
         status = "incomplete" if incomplete else "complete"
         _insert_session(con, sid, session_dir, manifest, procs, status, job_pattern)
@@ -180,29 +206,67 @@ def _delete_session(con: duckdb.DuckDBPyConnection, sid: str) -> None:
         con.execute(f"DELETE FROM {table} WHERE session = ?", [sid])
 
 
-def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch, consts: tuple) -> None:
+class _Gather:
+    """Gathers one process's batches of one table into big INSERTs (see the module docstring)."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, consts: tuple):
+        self.con, self.consts = con, consts
+        self.table: str | None = None
+        self.batches: list[pa.RecordBatch] = []
+        self.rows = self.nbytes = 0
+
+    def add(self, table: str, batch: pa.RecordBatch) -> None:
+        if batch.num_rows == 0:
+            return
+        if table != self.table or (self.batches and not batch.schema.equals(self.batches[0].schema)):
+            self.flush()
+            self.table = table
+        self.batches.append(batch)
+        self.rows += batch.num_rows
+        self.nbytes += batch.get_total_buffer_size()  # `nbytes` costs 50 us a batch on slices
+        if self.rows >= INSERT_ROWS or self.nbytes >= INSERT_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.batches:
+            # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
+            # (a third less CPU than scanning recorder-sized batches), still enough of them to scan in
+            # parallel.
+            data = pa.Table.from_batches(self.batches).combine_chunks()
+            _insert(self.con, self.table, pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP)),
+                    self.consts)
+        self.batches, self.rows, self.nbytes = [], 0, 0
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | pa.Table, consts: tuple) -> None:
+    """INSERT one gathered chunk of `table`'s shard rows (a RecordBatch or a Table of many)."""
     n = batch.num_rows
     if n == 0:
         return
     sid, rank, pid = consts
-    data = pa.Table.from_batches([batch])
-    con.register("kvtrace_batch", data)
-    try:
-        head = f"'{_sql_str(sid)}' AS session, {rank}::INTEGER AS rank, {pid}::INTEGER AS pid"
-        if table in UNNESTED:
-            list_col, hash_col, _, _ = UNNESTED[table]
-            cols = [c.name for c in schema.TABLES[table]]
-            select = ", ".join(
-                f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in cols)
-            con.execute(f"INSERT INTO {table} SELECT {head}, {select} FROM kvtrace_batch")
-        elif table == "kv_access":
-            con.execute(f"""INSERT INTO kv_access SELECT {head}, k.*, s.request_id
-                FROM kvtrace_batch k LEFT JOIN batch_slots s
-                  ON s.session = '{_sql_str(sid)}' AND s.pid = {pid} AND s.step = k.step AND s.slot = k.slot""")
-        else:
-            con.execute(f"INSERT INTO {table} SELECT {head}, * FROM kvtrace_batch")
-    finally:
-        con.unregister("kvtrace_batch")
+    data = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+    # DuckDB finds `kvtrace_batch` among this function's locals (replacement scan). Not con.register():
+    # a registered view is a catalog entry, and a dropped one lives on, with the Arrow data it holds,
+    # until the transaction ends: memory would grow with the session.
+    kvtrace_batch = data  # noqa: F841
+    head = f"'{_sql_str(sid)}' AS session, {rank}::INTEGER AS rank, {pid}::INTEGER AS pid"
+    if table in UNNESTED:
+        list_col, hash_col, _, _ = UNNESTED[table]
+        cols = [c.name for c in schema.TABLES[table]]
+        select = ", ".join(
+            f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in cols)
+        con.execute(f"INSERT INTO {table} SELECT {head}, {select} FROM kvtrace_batch")
+    elif table == "kv_access":
+        # Only the batch_slots rows of this chunk's steps: they were loaded in step order, so
+        # DuckDB's min/max per row group skips the rest (a whole-table join per chunk is quadratic).
+        lo, hi = (pc.min_max(data.column("step"))[k].as_py() for k in ("min", "max"))
+        con.execute(f"""INSERT INTO kv_access SELECT {head}, k.*, s.request_id
+            FROM kvtrace_batch k LEFT JOIN (
+              SELECT step, slot, request_id FROM batch_slots
+              WHERE session = '{_sql_str(sid)}' AND pid = {pid} AND step BETWEEN {lo} AND {hi}) s
+            ON s.step = k.step AND s.slot = k.slot""")
+    else:
+        con.execute(f"INSERT INTO {table} SELECT {head}, * FROM kvtrace_batch")
 
 
 def _sql_str(s: str) -> str:

@@ -121,7 +121,7 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("tail_tokens", i32, "tokens", "tokens past the last full block (can never hit)"),
         _c("missed_hashes", i64_list, "",
            "hashes (int64 prefix) of the full blocks after the hit that missed; ingest classifies "
-           "them as evicted-before or never-seen"),
+           "them as evicted-before or never-seen; null when the local cache was not consulted"),
         _c("external_hit_tokens", i32, "tokens",
            "tokens a KV connector said it can load (get_num_new_matched_tokens); null without one"),
         _c("after_preemption", i8, "",
@@ -144,11 +144,15 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("step", i64, "", "engine step id (tagged on the scheduler output), -1 if unknown"),
         _c("connector", s, "", "connector class name"),
         _c("method", s, "", "connector method called"),
-        _c("direction", s, "", "save, load, match, alloc, finish, other"),
+        _c("direction", s, "",
+           "save, load, match, alloc, finish, other; get_finished rows mark completions (save = send "
+           "done, load = receive done, bytes null)"),
         _c("request_id", s, "", "request, when the call is per request"),
         _c("layer", s, "", "layer name, when the call is per layer"),
         _c("bytes", i64, "bytes", "bytes of KV moved (save_kv_layer: the layer's slots of the step)"),
-        _c("tokens", i32, "tokens", "match: matched tokens; finish: 1 if the free was delayed"),
+        _c("tokens", i32, "tokens",
+           "match: matched tokens; alloc: admitted external tokens; save/load: slots moved; "
+           "finish: 1 if the free was delayed"),
     ),
     # Pins and holds: KV kept against eviction for a reason other than a running request.
     "pins": (
