@@ -15,6 +15,7 @@ a failed ingest leaves the database as it was.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,9 @@ def create_tables(con: duckdb.DuckDBPyConnection) -> None:
     for table, cols in SESSION_TABLES.items():
         con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
     con.execute("CREATE TABLE IF NOT EXISTS kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
+    from kvtrace.ingest.nsys import create_nsys_tables
+
+    create_nsys_tables(con)  # empty nsys_* tables and views: the nsys queries run on any database
     con.execute("INSERT OR REPLACE INTO kvtrace_meta VALUES ('schema_version', ?)",
                 [str(schema.SCHEMA_VERSION)])
 
@@ -163,26 +167,17 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     t0 = time.monotonic()
     con.execute("BEGIN TRANSACTION")
     try:
-        for proc_dir, proc, shards in shards_by_proc:
+        for _proc_dir, proc, shards in shards_by_proc:
             if proc.get("status") not in ("complete", "flushed"):
                 incomplete = True
             consts = (sid, int(proc.get("rank", 0) or 0), int(proc.get("pid", 0) or 0))
             loader = _Gather(con, consts)
-            # batch_slots before kv_access: the access rows take their request id from it.
-            for shard in sorted(shards, key=lambda s: (s.table != "batch_slots", s.path.name)):
-                res = ShardRead()
-                ncols = len(schema.TABLES[shard.table])
-                for batch in read_shard(shard, res):
-                    if batch.num_columns != ncols:  # an older shard: pad its missing trailing columns
-                        batch = pad_batch(batch, shard.table)
-                    loader.add(shard.table, batch)
-                    bar.add(batch.num_rows)
-                rows[shard.table] += res.rows
-                for problem in res.problems:
-                    issues.append((str(shard.path), problem, res.bytes_cut))
+            try:
+                if _load_shards(shards, loader, bar, rows, issues):
                     incomplete = True
-                bar.step(res.rows)
-            loader.flush()
+                loader.flush()
+            finally:
+                loader.wait()  # the INSERT in flight ends before the connection is used (or rolled back)
             _insert_proc(con, sid, proc)
         status = "incomplete" if incomplete else "complete"
         _insert_session(con, sid, session_dir, manifest, procs, status, job_pattern)
@@ -201,19 +196,53 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
             "probes": _probe_report(con, sid)}
 
 
+def _load_shards(shards: list, loader: _Gather, bar: Progress, rows: dict[str, int],
+                 issues: list[tuple[str, str, int]]) -> bool:
+    """Read one process's shards into `loader`; counts rows, notes issues; True if any shard was cut."""
+    cut = False
+    # batch_slots before kv_access: the access rows take their request id from it.
+    for shard in sorted(shards, key=lambda s: (s.table != "batch_slots", s.path.name)):
+        if not shard.open and not shard.path.exists():
+            # Deleted since it was listed: a live session under --on-max-size drop-oldest (the
+            # recorder counts its rows as lost). Shards created since listing are left for later.
+            issues.append((str(shard.path), f"{shard.path}: deleted while the session was read", 0))
+            cut = True
+            continue
+        res = ShardRead()
+        ncols = len(schema.TABLES[shard.table])
+        for batch in read_shard(shard, res):
+            if batch.num_columns != ncols:  # an older shard: pad its missing trailing columns
+                batch = pad_batch(batch, shard.table)
+            loader.add(shard.table, batch)
+            bar.add(batch.num_rows)
+        rows[shard.table] += res.rows
+        for problem in res.problems:
+            issues.append((str(shard.path), problem, res.bytes_cut))
+            cut = True
+        bar.step(res.rows)
+    return cut
+
+
 def _delete_session(con: duckdb.DuckDBPyConnection, sid: str) -> None:
     for table in [*schema.TABLES, *SESSION_TABLES]:
         con.execute(f"DELETE FROM {table} WHERE session = ?", [sid])
 
 
 class _Gather:
-    """Gathers one process's batches of one table into big INSERTs (see the module docstring)."""
+    """Gathers one process's batches of one table into big INSERTs (see the module docstring).
+
+    An INSERT runs in a helper thread while the caller reads the next chunk (DuckDB lets go of the GIL),
+    so reading shards overlaps loading: at most one chunk in flight and one being gathered. The
+    connection is the helper's until `wait()` returns; `wait()` re-raises the INSERT's error.
+    """
 
     def __init__(self, con: duckdb.DuckDBPyConnection, consts: tuple):
         self.con, self.consts = con, consts
         self.table: str | None = None
         self.batches: list[pa.RecordBatch] = []
         self.rows = self.nbytes = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def add(self, table: str, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
@@ -228,14 +257,32 @@ class _Gather:
             self.flush()
 
     def flush(self) -> None:
+        """Start the INSERT of what is gathered (after the one in flight, if any, is done)."""
         if self.batches:
             # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
             # (a third less CPU than scanning recorder-sized batches), still enough of them to scan in
             # parallel.
             data = pa.Table.from_batches(self.batches).combine_chunks()
-            _insert(self.con, self.table, pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP)),
-                    self.consts)
+            data = pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP))
+            self.wait()  # kv_access needs its batch_slots in; one chunk in flight bounds memory
+            self._thread = threading.Thread(target=self._run, args=(self.table, data), daemon=True,
+                                            name="kvtrace-insert")
+            self._thread.start()
         self.batches, self.rows, self.nbytes = [], 0, 0
+
+    def _run(self, table: str, data: pa.Table) -> None:
+        try:
+            _insert(self.con, table, data, self.consts)
+        except BaseException as exc:  # handed to the caller by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | pa.Table, consts: tuple) -> None:
@@ -245,28 +292,28 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | 
         return
     sid, rank, pid = consts
     data = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
-    # DuckDB finds `kvtrace_batch` among this function's locals (replacement scan). Not con.register():
-    # a registered view is a catalog entry, and a dropped one lives on, with the Arrow data it holds,
-    # until the transaction ends: memory would grow with the session.
-    kvtrace_batch = data  # noqa: F841
+    # The chunk is named `kvtrace_batch` for this statement only. Not con.register(): a registered view
+    # is a catalog entry, and a dropped one lives on, with the Arrow data it holds, until the
+    # transaction ends: memory would grow with the session.
+    rel = con.from_arrow(data)
     head = f"'{_sql_str(sid)}' AS session, {rank}::INTEGER AS rank, {pid}::INTEGER AS pid"
     if table in UNNESTED:
         list_col, hash_col, _, _ = UNNESTED[table]
         cols = [c.name for c in schema.TABLES[table]]
         select = ", ".join(
             f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in cols)
-        con.execute(f"INSERT INTO {table} SELECT {head}, {select} FROM kvtrace_batch")
+        rel.query("kvtrace_batch", f"INSERT INTO {table} SELECT {head}, {select} FROM kvtrace_batch")
     elif table == "kv_access":
         # Only the batch_slots rows of this chunk's steps: they were loaded in step order, so
         # DuckDB's min/max per row group skips the rest (a whole-table join per chunk is quadratic).
         lo, hi = (pc.min_max(data.column("step"))[k].as_py() for k in ("min", "max"))
-        con.execute(f"""INSERT INTO kv_access SELECT {head}, k.*, s.request_id
+        rel.query("kvtrace_batch", f"""INSERT INTO kv_access SELECT {head}, k.*, s.request_id
             FROM kvtrace_batch k LEFT JOIN (
               SELECT step, slot, request_id FROM batch_slots
               WHERE session = '{_sql_str(sid)}' AND pid = {pid} AND step BETWEEN {lo} AND {hi}) s
             ON s.step = k.step AND s.slot = k.slot""")
     else:
-        con.execute(f"INSERT INTO {table} SELECT {head}, * FROM kvtrace_batch")
+        rel.query("kvtrace_batch", f"INSERT INTO {table} SELECT {head}, * FROM kvtrace_batch")
 
 
 def _sql_str(s: str) -> str:

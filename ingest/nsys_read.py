@@ -20,7 +20,7 @@ import os
 import sqlite3
 import urllib.parse
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +41,9 @@ _ARROW = {INT: pa.int64(), REAL: pa.float64(), TEXT: pa.string()}
 _CAST = {INT: "INTEGER", REAL: "REAL", TEXT: "BLOB"}
 _SENTINEL = {INT: "0", REAL: "0.0", TEXT: "X''"}
 CHUNK_ROWS = 1 << 18  # rowids per read task: big enough to amortise a query, small enough to overlap
-WORKERS = max(1, min(4, os.cpu_count() or 1))
+# Read threads: the CPUs this process may use (its affinity, not the machine's count), at most 4.
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+WORKERS = max(1, min(4, _CPUS))
 # Tables whose presence says "this SQLite file was written by nsys export".
 NSYS_MARKERS = ("TARGET_INFO_SESSION_START_TIME", "ANALYSIS_DETAILS", "META_DATA_EXPORT",
                 "EXPORT_META_DATA", "ThreadNames")
@@ -88,7 +90,7 @@ def open_export(path: str | Path) -> Export:
         raise KvtraceError(f"{path}: truncated SQLite file ({size} of {expected or '>= 100'} bytes)")
     # immutable=1: no locks and no journal lookups, so read-only folders and copies being read work.
     uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro&immutable=1"
-    export = Export(path, uri, sqlite3.connect(uri, uri=True, check_same_thread=False))
+    export = Export(path, uri, sqlite3.connect(uri, uri=True))
     try:
         names = [r[0] for r in export.con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
         for name in names:
@@ -97,7 +99,7 @@ def open_export(path: str | Path) -> Export:
     except sqlite3.DatabaseError as exc:
         export.close()
         raise export.fail(f"unreadable SQLite database ({exc})") from None
-    if "StringIds" not in export.tables or not any(t in export.tables for t in NSYS_MARKERS):
+    if not export.has("StringIds", "value") or not any(t in export.tables for t in NSYS_MARKERS):
         export.close()
         raise export.fail("an SQLite database but not an Nsight Systems export "
                           "(no StringIds and TARGET_INFO_SESSION_START_TIME tables)")
@@ -121,16 +123,25 @@ def _q(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def select_sql(export: Export, table: str, columns: list[tuple[str, str]], where: str = "") -> str:
-    """SELECT of `columns` [(name, INT|REAL|TEXT)] cast to one type each; absent columns read as NULL."""
-    cols = export.tables[table]
-    first = ", ".join(f"{_SENTINEL[kind]} AS {_q(name)}" for name, kind in columns)
-    rest = ", ".join(f"CAST({_q(name)} AS {_CAST[kind]})" if name in cols else "NULL"
-                     for name, kind in columns)
+# A column to read: (name, INT|REAL|TEXT), or (name, kind, SQL expression computing it in SQLite).
+Column = tuple
+
+
+def arrow_schema(columns: Sequence[Column]) -> pa.Schema:
+    """The Arrow schema `read_table` returns for `columns`."""
+    return pa.schema([(c[0], _ARROW[c[1]]) for c in columns])
+
+
+def select_sql(export: Export, table: str, columns: Sequence[Column], where: str = "") -> str:
+    """SELECT of `columns`, each cast to its one type; columns the table lacks read as NULL."""
+    have = export.tables[table]
+    first = ", ".join(f"{_SENTINEL[c[1]]} AS {_q(c[0])}" for c in columns)
+    rest = ", ".join(f"CAST({c[2] if len(c) > 2 else _q(c[0])} AS {_CAST[c[1]]})" if c[0] in have else "NULL"
+                     for c in columns)
     return f"SELECT {first} UNION ALL SELECT {rest} FROM {_q(table)}{where}"
 
 
-def read_table(export: Export, table: str, columns: list[tuple[str, str]]) -> Iterator[pa.Table]:
+def read_table(export: Export, table: str, columns: Sequence[Column]) -> Iterator[pa.Table]:
     """The table's rows as Arrow tables (one per rowid range, read in parallel), typed as `columns` says."""
     try:
         lo, hi = export.con.execute(f"SELECT min(rowid), max(rowid) FROM {_q(table)}").fetchone()
@@ -138,8 +149,8 @@ def read_table(export: Export, table: str, columns: list[tuple[str, str]]) -> It
         raise export.fail(f"cannot read {table} ({exc})") from None
     if lo is None:
         return
-    queries = [select_sql(export, table, columns, f" WHERE rowid BETWEEN {a} AND {min(a + CHUNK_ROWS, hi + 1) - 1}")
-               for a in range(lo, hi + 1, CHUNK_ROWS)]
+    ranges = [(a, min(a + CHUNK_ROWS, hi + 1) - 1) for a in range(lo, hi + 1, CHUNK_ROWS)]
+    queries = [select_sql(export, table, columns, f" WHERE rowid BETWEEN {a} AND {b}") for a, b in ranges]
     if len(queries) == 1:
         yield _read(export, table, queries[0], columns)
         return
@@ -153,13 +164,13 @@ def read_table(export: Export, table: str, columns: list[tuple[str, str]]) -> It
             yield pending.popleft().result()
 
 
-def read_all(export: Export, table: str, columns: list[tuple[str, str]]) -> pa.Table:
+def read_all(export: Export, table: str, columns: Sequence[Column]) -> pa.Table:
     """A small table in one piece (metadata, strings, threads)."""
-    schema = pa.schema([(name, _ARROW[kind]) for name, kind in columns])
-    return pa.concat_tables([schema.empty_table(), *read_table(export, table, columns)])
+    return pa.concat_tables([arrow_schema(columns).empty_table(), *read_table(export, table, columns)])
 
 
-def _read(export: Export, table: str, sql: str, columns: list[tuple[str, str]]) -> pa.Table:
+def _read(export: Export, table: str, sql: str, columns: Sequence[Column]) -> pa.Table:
+    """One query's rows (runs on a pool thread, with a connection of its own)."""
     raw = None
     if adbc is not None:
         try:
@@ -174,9 +185,9 @@ def _read(export: Export, table: str, sql: str, columns: list[tuple[str, str]]) 
         except sqlite3.DatabaseError as exc:
             raise export.fail(f"cannot read {table} ({exc})") from None
     raw = raw.slice(1)  # the typed sentinel row
-    arrays = [_text(raw.column(i)) if kind == TEXT else raw.column(i).cast(_ARROW[kind])
-              for i, (_name, kind) in enumerate(columns)]
-    return pa.table(arrays, names=[name for name, _kind in columns])
+    arrays = [_text(raw.column(i)) if c[1] == TEXT else raw.column(i).cast(_ARROW[c[1]])
+              for i, c in enumerate(columns)]
+    return pa.table(arrays, names=[c[0] for c in columns])
 
 
 def _read_adbc(uri: str, sql: str) -> pa.Table:
@@ -185,17 +196,18 @@ def _read_adbc(uri: str, sql: str) -> pa.Table:
         return cur.fetch_arrow_table()
 
 
-def _read_sqlite3(uri: str, sql: str, columns: list[tuple[str, str]]) -> pa.Table:
+def _read_sqlite3(uri: str, sql: str, columns: Sequence[Column]) -> pa.Table:
     con = sqlite3.connect(uri, uri=True)
     con.text_factory = bytes
     try:
         cur = con.execute(sql)
-        types = [pa.binary() if kind == TEXT else _ARROW[kind] for _name, kind in columns]
+        schema = pa.schema([(c[0], pa.binary() if c[1] == TEXT else _ARROW[c[1]]) for c in columns])
         batches = []
-        while rows := cur.fetchmany(65536):
-            batches.append(pa.record_batch([pa.array(col, t) for col, t in zip(zip(*rows), types)],
-                                           names=[name for name, _kind in columns]))
-        return pa.Table.from_batches(batches)
+        while found := cur.fetchmany(65536):
+            values = zip(*found, strict=True)  # row tuples -> column tuples
+            batches.append(pa.record_batch([pa.array(v, t) for v, t in zip(values, schema.types, strict=True)],
+                                           schema=schema))
+        return pa.Table.from_batches(batches, schema)
     finally:
         con.close()
 
@@ -208,6 +220,40 @@ def _text(arr: pa.ChunkedArray) -> pa.ChunkedArray:
     except pa.ArrowInvalid:
         return pa.chunked_array([pa.array([None if b is None else b.decode("utf-8", "replace")
                                            for b in arr.to_pylist()], pa.string())])
+
+
+def read_strings(export: Export) -> pa.Table:
+    """StringIds (id, value) with environment blocks (NUL-separated NAME=value pairs: a profiled
+    process's environment, which nsys captures) replaced by NULL, so no name can resolve to one."""
+    env = "instr(CAST(value AS BLOB), X'00') > 0 AND value GLOB '[A-Za-z_]*=*'"
+    return read_all(export, "StringIds", [("id", INT), ("value", TEXT, f"CASE WHEN {env} THEN NULL ELSE value END")])
+
+
+def versions(export: Export) -> tuple[str | None, str | None]:
+    """(nsys version, export schema version); both None for 2021 exports, which carry no metadata table."""
+    table = next((t for t in ("META_DATA_EXPORT", "EXPORT_META_DATA") if export.has(t, "value")), None)
+    if table is None:
+        return None, None
+    meta = dict(rows(export, f"SELECT name, value FROM {table} "
+                             "WHERE name IN ('EXPORT_PRODUCT_VERSION', 'EXPORT_SCHEMA_VERSION')"))
+    return meta.get("EXPORT_PRODUCT_VERSION"), meta.get("EXPORT_SCHEMA_VERSION")
+
+
+def session_start(export: Export) -> tuple[int | None, int | None]:
+    """(utcEpochNs, systemClockNs): UTC (ns) at nsys time systemClockNs (a column since 2026; 0 before)."""
+    table = "TARGET_INFO_SESSION_START_TIME"
+    if not export.has(table, "utcEpochNs"):
+        return None, None
+    clock = "CAST(systemClockNs AS INTEGER)" if export.has(table, "systemClockNs") else "NULL"
+    found = rows(export, f"SELECT CAST(utcEpochNs AS INTEGER), {clock} FROM {table} LIMIT 1")
+    return found[0] if found else (None, None)
+
+
+def mem_kind_names(export: Export) -> dict[int, str]:
+    """nsys's memory-kind labels (ENUM_CUDA_MEM_KIND) when the export has them."""
+    if not export.has("ENUM_CUDA_MEM_KIND", "label"):
+        return {}
+    return dict(rows(export, "SELECT CAST(id AS INTEGER), label FROM ENUM_CUDA_MEM_KIND"))
 
 
 def rows(export: Export, sql: str) -> list[tuple]:
