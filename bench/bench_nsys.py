@@ -25,6 +25,7 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+
 from kvtrace.ingest import nsys_read
 from kvtrace.ingest.nsys import SOURCES, align_nsys, load_nsys
 from kvtrace.queries import run_query

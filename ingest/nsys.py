@@ -21,6 +21,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from kvtrace.ingest.nsys_align import TIMED_TABLES, align_nsys, create_views, mark_offset, utc_offset
 from kvtrace.ingest.nsys_read import (
     INT,

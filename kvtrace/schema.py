@@ -14,7 +14,7 @@ UTC-based sources (Nsight's session start, vLLM's wall-clock arrival times) map 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import pyarrow as pa
 
@@ -215,7 +215,7 @@ def column_names(table: str) -> list[str]:
     return [c.name for c in TABLES[table]]
 
 
-@lru_cache(maxsize=None)  # called per batch on the recording path: build each schema once
+@cache  # called per batch on the recording path: build each schema once
 def arrow_schema(table: str) -> pa.Schema:
     """The schema of `table`'s shard files (without the process columns ingest adds)."""
     meta = {b"kvtrace.table": table.encode(), b"kvtrace.schema_version": str(SCHEMA_VERSION).encode()}

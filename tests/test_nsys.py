@@ -15,11 +15,11 @@ from pathlib import Path
 
 import duckdb
 import pytest
+
+from kvtrace.errors import KvtraceError
 from kvtrace.ingest import nsys_read
 from kvtrace.ingest.nsys import TABLES, align_nsys, create_nsys_tables, load_nsys
 from kvtrace.queries import run_query
-
-from kvtrace.errors import KvtraceError
 
 FIXTURES = Path(__file__).parents[1].parent / "shared" / "fixtures" / "nsys"
 EXPORTS = sorted(FIXTURES.glob("*.sqlite")) if FIXTURES.is_dir() else []

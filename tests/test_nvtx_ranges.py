@@ -12,6 +12,7 @@ import sys
 import timeit
 
 import pytest
+
 from kvtrace.ingest.nsys_align import MARK_PATTERN
 from kvtrace.probes import nvtx_ranges
 
