@@ -260,6 +260,37 @@ def export(sources, fmt, out, session, max_events) -> None:
 
 
 @cli.command(context_settings=CONTEXT)
+@click.argument("db", type=click.Path())
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="Directory for figures and index.html.")
+def report(db, out) -> None:
+    """Draw the main analyses (PNG and SVG) with an index page.
+
+    \b
+    kvtrace report run1.duckdb -o report/
+    """
+    from kvtrace.report import write_report
+
+    paths = write_report(db, out)
+    click.echo(f"wrote {len(paths)} files -> {out}")
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("dbs", nargs=-1, required=True, type=click.Path())
+@click.option("-o", "--output", "out", default=None, type=click.Path(), help="Also write overlaid figures here.")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+def compare(dbs, out, fmt) -> None:
+    """Put sessions side by side: the same analyses per session in one table (and overlaid figures).
+
+    \b
+    kvtrace compare fcfs.duckdb pinning.duckdb offload.duckdb -o compare/
+    """
+    from kvtrace.report import compare as do_compare
+
+    columns, rows = do_compare(list(dbs), out_dir=out)
+    _print_rows(columns, rows, fmt)
+
+
+@cli.command(context_settings=CONTEXT)
 @click.option("-o", "--output", "out", default="kvtrace-demo", show_default=True, help="Directory for everything.")
 @click.option("--requests", "num_requests", default=24, show_default=True, help="Requests in the workload.")
 def demo(out, num_requests) -> None:

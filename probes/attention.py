@@ -124,7 +124,22 @@ class AttentionProbe(Probe):
                 return result
             return wrapper
 
+        def capture_model(orig):
+            # FULL CUDA graphs capture attention once, at engine start, before the first execute_model:
+            # the ring must exist by then so its launches are captured (they read the step id from
+            # device memory, so each replay records under the right step).
+            def wrapper(runner, *args, **kwargs):
+                if probe.enabled and probe.ring is None:
+                    try:
+                        probe.ring = probe.make_ring(runner, granularity, layers, sample_every)
+                    except Exception as exc:
+                        probe.fail(exc)
+                return orig(runner, *args, **kwargs)
+            return wrapper
+
         self.patch(GPUModelRunner, "execute_model", execute_model)
+        if hasattr(GPUModelRunner, "capture_model"):
+            self.patch(GPUModelRunner, "capture_model", capture_model)
         self.patch(attn_mod, "get_attention_context", get_attention_context)
         try:  # MLA imported the function by name: patch its copy too, when the module loads here
             mla = importlib.import_module(MLA)

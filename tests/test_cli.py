@@ -1,0 +1,91 @@
+"""The command line itself: every command has help with an example and is in the README; errors are
+one line; canned queries all carry their header and are listed and documented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvtrace.cli import cli
+from kvtrace.queries import all_queries
+from tests.conftest import REPO, run_kvtrace
+
+COMMANDS = sorted(cli.commands)
+
+
+def test_commands_exist():
+    assert {"record", "ingest", "query", "export", "demo", "report", "compare"} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_has_an_example_and_readme_mentions_it(command):
+    out = run_kvtrace(command, "--help").stdout
+    assert out.startswith("Usage: kvtrace " + command)
+    assert re.search(rf"^\s+kvtrace {command}\b", out, re.M), f"no example in `kvtrace {command} --help`"
+    assert f"kvtrace {command}" in (REPO / "README.md").read_text()
+
+
+def test_top_level_help_and_version():
+    assert "record" in run_kvtrace("--help").stdout
+    assert run_kvtrace("--version").stdout.strip().startswith("kvtrace, version")
+
+
+def test_every_canned_query_is_listed_and_documented():
+    listed = run_kvtrace("query", "--list").stdout
+    docs = (REPO / "docs" / "queries.md").read_text() + (REPO / "docs" / "nsys.md").read_text()
+    files = sorted(p.stem for p in (REPO / "queries").glob("*.sql"))
+    assert sorted(all_queries()) == files  # the header name is the file name
+    for name, q in all_queries().items():
+        assert q.description and q.columns, name
+        assert re.search(rf"^{name}\s", listed, re.M), name
+        assert name in docs, f"{name} has no section in docs/queries.md or docs/nsys.md"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["query", "/no/such.duckdb", "summary"], "no such database"),
+    (["ingest", "/no/such/session", "-o", "/tmp/x-kvtrace-cli.duckdb"], "no such session directory"),
+    (["query", "--list", "--sql", "select"], None),
+    (["record"], "Missing argument"),
+    (["record", "-o", "/tmp/kvtrace-cli-nocmd", "--", "kvtrace-no-such-command-xyz"], "command not found"),
+    (["export", "/no/such.duckdb", "-o", "/tmp/x.html"], "no such database"),
+])
+def test_errors_are_one_line(args, needle, tmp_path):
+    proc = run_kvtrace(*args, check=False)
+    if needle is None:
+        assert proc.returncode == 0
+        return
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert "Traceback" not in err
+    assert needle in err, err
+    assert len([ln for ln in err.splitlines() if ln.startswith("kvtrace: error") or "Error" in ln]) == 1
+
+
+def test_schema_doc_is_generated_from_code():
+    from kvtrace.schema import markdown
+
+    doc = (REPO / "docs" / "schema.md").read_text()
+    assert doc.startswith(markdown().split("\n## ")[0].split("\n")[0])
+    for table in markdown().split("\n## ")[1:]:
+        assert table in doc, table.splitlines()[0]
+
+
+def test_wheel_installs_only_under_kvtrace(tmp_path):
+    """probes/, ingest/, queries/, viewer/ map to kvtrace.*: no top-level module lands in site-packages."""
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("kvtrace-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/", 1)[0] for n in names}
+    assert tops == {"kvtrace", next(t for t in tops if t.endswith(".dist-info"))}, tops
+    for needed in ("kvtrace/probes/plugin.py", "kvtrace/ingest/shards.py", "kvtrace/queries/summary.sql",
+                   "kvtrace/viewer/viewer.js", "kvtrace/probes/device_ring_kernels.cu"):
+        assert needed in names, needed
+    entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "[vllm.general_plugins]" in entry and "kvtrace.probes.plugin:register" in entry
