@@ -84,6 +84,7 @@ class AttentionProbe(Probe):
                     step = getattr(scheduler_output, "_kvtrace_step", None)
                     probe.step = step if step is not None else probe.step + 1
                     if probe.ring is None:
+                        probe.set_rank(runner)
                         probe.ring = probe.make_ring(runner, granularity, layers, sample_every)
                     probe.ring.begin_step(probe.step)
                 except Exception as exc:
@@ -175,6 +176,17 @@ class AttentionProbe(Probe):
             return False
         return super().install()
 
+    def set_rank(self, runner: Any) -> None:
+        """Rows carry rank = dp_rank * 1000 + tp_rank of this worker."""
+        dp = int(getattr(runner.parallel_config, "data_parallel_rank", 0) or 0)
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp = int(get_tensor_model_parallel_rank())
+        except Exception:  # not initialised (single process): rank 0
+            tp = 0
+        self.rec.rank = dp * 1000 + tp
+
     def make_ring(self, runner: Any, granularity: str, layers: Any, sample_every: int):
         from kvtrace.probes.kv_ring import make_ring
 
@@ -182,7 +194,10 @@ class AttentionProbe(Probe):
         capacity = int(self.options.get("kv_ring_capacity", 1 << 20))
         return make_ring(runner.device, capacity=capacity, block_size=block_size,
                          granularity=granularity, layers=layers, sample_every=sample_every,
-                         recorder=self.rec)
+                         recorder=self.rec,
+                         # CUDA only: run record kernels beside attention inside captured graphs
+                         # (docs/device-ring.md); {"kv_overlap": false} keeps them inline.
+                         overlap=bool(self.options.get("kv_overlap", True)))
 
     def close(self) -> None:
         if self.ring is not None:
