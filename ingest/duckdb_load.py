@@ -54,11 +54,74 @@ SESSION_TABLES = {
         cached_tokens INTEGER, num_preemptions INTEGER, num_resumptions INTEGER""",
 }
 
+# What the SESSION_TABLES columns mean (docs/schema.md; units in parentheses).
+DERIVED_MEANINGS = {
+    "sessions": {
+        "session": "session id (manifest `session_id`)", "session_dir": "the directory ingested (absolute)",
+        "status": "complete, or incomplete: a process did not close its shards, a shard was cut, or the "
+                  "session was still being recorded when ingested",
+        "schema_version": "the manifest's schema version", "kvtrace_version": "kvtrace that recorded it",
+        "vllm_version": "vLLM that ran", "command": "the recorded command line (secret-looking values redacted)",
+        "start_utc_ns": "start, UTC (ns)", "start_monotonic_ns": "start, host CLOCK_MONOTONIC (ns)",
+        "end_monotonic_ns": "end, host CLOCK_MONOTONIC (ns)", "exit_code": "the command's exit status",
+        "block_size": "KV block size (tokens)", "num_kv_blocks": "usable KV blocks in the pool (blocks)",
+        "max_num_seqs": "max running requests (requests)",
+        "max_num_batched_tokens": "token budget per step (tokens)",
+        "enable_prefix_caching": "prefix caching on", "enable_chunked_prefill": "chunked prefill on",
+        "kv_connector": "KV connector class, or null", "model": "model name or path",
+        "job_pattern": "regex that split request ids into requests.job_id / turn",
+        "manifest": "the whole manifest (JSON)", "ingested_utc_ns": "when ingested, UTC (ns)"},
+    "procs": {
+        "session": "session id", "pid": "OS process id", "rank": "DP rank x 1000 + TP rank",
+        "role": "api, engine, worker or proc", "host": "host name",
+        "status": "running, flushed, complete (closed its shards) or unknown (proc.json missing)",
+        "rows_written": "rows written per table (JSON)",
+        "dropped": "rows lost per table and cause (JSON: ring-wrap, writer-error, buffer-cap, max-size, bad-row)",
+        "stopped_reason": "why the process stopped writing (writer-error, max-size), or null"},
+    "probes": {
+        "session": "session id", "pid": "OS process id", "role": "the process's role",
+        "probe": "probe name", "status": "attached, off, or why not (disabled, failed, ...)",
+        "reason": "the detail, when not attached"},
+    "ingest_issues": {
+        "session": "session id", "file": "the shard", "problem": "what ingest found (a cut batch, ...)",
+        "bytes_cut": "bytes after the last complete batch (bytes)"},
+    "requests": {
+        "session": "session id", "rank": "rank of the engine that served it", "request_id": "vLLM request id",
+        "job_id": "job, parsed from the request id by the job pattern", "turn": "turn, likewise",
+        "arrival_ns": "arrival (ns)", "queued_ns": "entered the waiting queue (ns)",
+        "first_scheduled_ns": "first scheduled (ns)", "first_token_ns": "first output token (ns)",
+        "finish_ns": "finished (ns)", "finish_reason": "stop, length, abort, ...",
+        "prompt_tokens": "prompt length (tokens)", "output_tokens": "output length (tokens)",
+        "cached_tokens": "prefix-cache hit tokens when first scheduled (tokens)",
+        "num_preemptions": "times preempted", "num_resumptions": "times resumed after preemption"},
+}
+
+
+def markdown() -> str:
+    """docs/schema.md's part on what the DuckDB database (and the Parquet dataset) holds beyond the shard
+    tables: appended by `python -m kvtrace.schema`."""
+    out = ["", "# In the database", "",
+           "Ingest loads each shard table above into a DuckDB table of the same name, with the process "
+           "columns first. Two differ:", "",
+           "- `block_events` has one row per block: `block_ids` / `block_hashes` become `block_id` INTEGER "
+           "and `block_hash` BIGINT (null where the call had no hashes).",
+           "- `kv_access` has a trailing `request_id` VARCHAR, taken from the worker's `batch_slots` "
+           "(same pid, step and slot).", "",
+           "It derives these tables per session. The Parquet dataset (docs/dataset.md) has the same "
+           "tables and columns; Nsight Systems tables are in docs/nsys.md."]
+    for table, cols in SESSION_TABLES.items():
+        out += ["", f"## {table}", "", "| column | type | meaning |", "|---|---|---|"]
+        for col in cols.split(","):
+            name, type_ = col.split()
+            out.append(f"| {name} | {type_} | {DERIVED_MEANINGS[table].get(name, '')} |")
+    return "\n".join(out) + "\n"
+
 
 # Shard rows gathered into one INSERT (block_events rows unnest to ~10 database rows each).
 INSERT_ROWS = 2_000_000
 INSERT_BYTES = 192 << 20
 ROW_GROUP = 122_880  # DuckDB's row group size
+INGEST_MEMORY_LIMIT = 1 << 30  # bytes DuckDB may keep during an ingest (it spills past it)
 
 
 def duck_type(t: pa.DataType) -> str:
@@ -165,6 +228,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     issues: list[tuple[str, str, int]] = []
     incomplete = manifest.get("status") not in ("complete",)
     t0 = time.monotonic()
+    restore = _cap_memory(con)
     con.execute("BEGIN TRANSACTION")
     try:
         for _proc_dir, proc, shards in shards_by_proc:
@@ -188,12 +252,31 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     except BaseException:
         con.execute("ROLLBACK")
         raise
+    finally:
+        restore()
     bar.finish()
     seconds = time.monotonic() - t0
     events = sum(rows.values())
     return {"session": sid, "status": status, "rows": rows, "events": events, "seconds": seconds,
             "events_per_s": events / seconds if seconds > 0 else 0.0, "issues": [p for _, p, _ in issues],
             "probes": _probe_report(con, sid)}
+
+
+def _cap_memory(con: duckdb.DuckDBPyConnection):
+    """Lower DuckDB's memory limit to INGEST_MEMORY_LIMIT for the ingest (DuckDB otherwise keeps the
+    blocks it has written cached, up to 80% of RAM, so RSS grows with the session); returns a function
+    that puts the connection's setting back."""
+    units = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40, "PiB": 1 << 50,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    try:
+        before = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        number, unit = str(before).split()
+        if float(number) * units[unit] <= INGEST_MEMORY_LIMIT:
+            return lambda: None
+        con.execute(f"SET memory_limit = '{INGEST_MEMORY_LIMIT}B'")
+    except (duckdb.Error, ValueError, KeyError):
+        return lambda: None
+    return lambda: con.execute(f"SET memory_limit = '{before}'")
 
 
 def _load_shards(shards: list, loader: _Gather, bar: Progress, rows: dict[str, int],

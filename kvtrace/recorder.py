@@ -196,6 +196,8 @@ class Recorder:
         rows, files or writer thread."""
         for buf in self.buffers.values():
             del buf[:]
+        if self._closed:  # the parent had finished recording: the child does not start again
+            return
         probes = dict(self.info.get("probes", {}))
         self._start()
         self.info["probes"] = probes

@@ -243,4 +243,6 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
-    print(markdown(), end="")
+    from kvtrace.ingest.duckdb_load import markdown as database_markdown  # the tables ingest derives
+
+    print(markdown() + database_markdown(), end="")

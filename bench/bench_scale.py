@@ -1,0 +1,147 @@
+"""Scale: synthetic sessions of 1 M and 10 M events through ingest, Parquet export and the canned queries.
+
+For each size: generate the session (`kvtrace.synth`, the recorder's shard writer), ingest it in a
+child process (its peak RSS and CPU time are the child's own), report the ingest's throughput
+(events = shard rows, as `kvtrace ingest` counts them), the DuckDB file's size and bytes per event, and
+the Parquet dataset's size. On the largest database, every canned query (`kvtrace.queries.all_queries()`)
+runs with its default parameters, each with a time limit. This machine is shared: the load average and
+the ingest's CPU seconds are printed beside the wall times, so runs on a busy machine can be told apart.
+
+    python bench/bench_scale.py [--sizes 1000000,10000000] [--dir /tmp/kvtrace-bench-scale]
+                                [--query-timeout 60] [--json out.json] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+INGEST_CHILD = r"""
+import json, resource, sys, time
+from kvtrace.ingest import ingest
+t0 = time.perf_counter()
+[report] = ingest([sys.argv[1]], sys.argv[2])
+wall = time.perf_counter() - t0
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"events": report["events"], "seconds": report["seconds"], "events_per_s": report["events_per_s"],
+                  "wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "maxrss_bytes": ru.ru_maxrss * 1024,
+                  "status": report["status"]}))
+"""
+
+EXPORT_CHILD = r"""
+import json, resource, sys, time
+from kvtrace.dataset import export_parquet
+t0 = time.perf_counter()
+r = export_parquet([sys.argv[1]], sys.argv[2])
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({**r, "wall_s": time.perf_counter() - t0, "cpu_s": ru.ru_utime + ru.ru_stime,
+                  "maxrss_bytes": ru.ru_maxrss * 1024}))
+"""
+
+
+def child(code: str, *args: str, timeout: float = 900) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def run_size(events: int, root: Path, seed: int) -> dict:
+    from kvtrace import synth
+
+    session, db, ds = root / f"s{events}", root / f"s{events}.duckdb", root / f"s{events}-parquet"
+    for p in (session, ds):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in (db, db.with_name(db.name + ".wal")):
+        p.unlink(missing_ok=True)
+    load0 = os.getloadavg()[0]
+    gen = synth.generate(session, events, seed=seed)
+    ing = child(INGEST_CHILD, str(session), str(db))
+    exp = child(EXPORT_CHILD, str(db), str(ds))
+    return {"events": events, "load_avg_1m": round(load0, 1), "synth_s": gen["seconds"],
+            "shard_bytes": gen["bytes"], "ingest": ing, "duckdb_bytes": db.stat().st_size,
+            "bytes_per_event": db.stat().st_size / events, "parquet": exp, "db": str(db)}
+
+
+def time_queries(db: Path, timeout: float) -> list[dict]:
+    """Every canned query with default parameters, each stopped after `timeout` seconds."""
+    from kvtrace.errors import KvtraceError
+    from kvtrace.ingest.duckdb_load import open_db
+    from kvtrace.queries import all_queries, run_sql
+
+    con = open_db(db, read_only=True)
+    out = []
+    try:
+        for name, q in all_queries().items():
+            timer = threading.Timer(timeout, con.interrupt)
+            timer.start()
+            t0 = time.perf_counter()
+            try:
+                _cols, rows = run_sql(con, q.sql, {}, q.params)
+                result = {"rows": len(rows)}
+            except KvtraceError as exc:
+                msg = str(exc)
+                result = {"error": "timeout" if "INTERRUPT" in msg.upper() else msg[:120]}
+            finally:
+                timer.cancel()
+            out.append({"query": name, "seconds": time.perf_counter() - t0, **result})
+    finally:
+        con.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1000000,10000000", help="events per session, comma-separated")
+    ap.add_argument("--dir", default="/tmp/kvtrace-bench-scale", help="scratch directory (a few GB at 10 M)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--query-timeout", type=float, default=60.0, help="seconds per canned query")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--keep", action="store_true", help="keep the sessions, databases and datasets")
+    args = ap.parse_args()
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    t_all = time.perf_counter()
+    results = []
+    print(f"{'events':>12} {'ingest ev/s':>13} {'wall':>7} {'cpu':>7} {'peak RSS':>10} {'DuckDB':>11} "
+          f"{'B/event':>8} {'Parquet':>11} {'export':>7} {'shards':>11} {'load':>5}")
+    for n in sizes:
+        r = run_size(n, root, args.seed)
+        results.append(r)
+        i, p = r["ingest"], r["parquet"]
+        print(f"{n:>12,} {i['events_per_s']:>13,.0f} {i['wall_s']:>6.1f}s {i['cpu_s']:>6.1f}s "
+              f"{mb(i['maxrss_bytes']):>10} {mb(r['duckdb_bytes']):>11} {r['bytes_per_event']:>8.2f} "
+              f"{mb(p['bytes']):>11} {p['wall_s']:>6.1f}s {mb(r['shard_bytes']):>11} {r['load_avg_1m']:>5}",
+              flush=True)
+    largest = results[-1]
+    print(f"\ncanned queries on the {largest['events']:,}-event database (default parameters, "
+          f"limit {args.query_timeout:.0f} s each):")
+    queries = time_queries(Path(largest["db"]), args.query_timeout)
+    for q in queries:
+        what = f"{q['rows']} rows" if "rows" in q else q["error"]
+        print(f"  {q['query']:28s} {q['seconds']:8.2f} s  {what}")
+    total = time.perf_counter() - t_all
+    print(f"\ntotal {total:.0f} s; load average now {os.getloadavg()[0]:.1f} (2 cores)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"sizes": results, "queries": queries, "total_s": total}, indent=1))
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Scale: the synthetic session generator, streaming ingest, long recordings (rotation, --max-size,
+ingest while a recorder is still writing). Small sessions (10-50 K events) so this stays fast; the
+figures at 1 M / 10 M events come from bench/bench_scale.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from kvtrace import schema, synth
+from kvtrace.ingest import duckdb_load, ingest
+from kvtrace.ingest.shards import ShardRead, list_shards, read_shard
+from kvtrace.record import finalize_session, prepare_session
+from kvtrace.session import proc_dirs, read_proc, session_size_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A recording process: a real Recorder whose rows come from a loop instead of vLLM. Appends `steps`
+# rows with step ids 0, 1, 2, ... (and step_requests rows to make bytes) in bursts, until `rows`
+# or until the stop file appears; prints what it appended.
+WRITER = r"""
+import json, os, sys, time
+from kvtrace import schema
+from kvtrace.recorder import Recorder
+args = json.loads(sys.argv[1])
+rec = Recorder(args["session"], "engine", args["options"])
+steps, reqs = rec.buffer("steps"), rec.buffer("step_requests")
+def row(table, i):
+    return tuple("none" if c.type == schema.s else i for c in schema.TABLES[table])
+n = 0
+while n < args["rows"] and not os.path.exists(args["stop"]):
+    for _ in range(args["burst"]):
+        steps.append(row("steps", n))
+        reqs.append((n, f"req-{n:08d}-{'x' * 24}", 1, "decode", -1, n, 0, "running"))
+        n += 1
+    time.sleep(args["sleep"])
+rec.close()
+print(json.dumps({"appended": n, "rows_written": rec.rows_written, "dropped": rec.dropped,
+                  "stopped_reason": rec.stopped_reason}))
+"""
+
+
+def start_writer(session: Path, options: dict, rows: int, burst: int = 200, sleep: float = 0.0,
+                 stop: Path | None = None) -> subprocess.Popen:
+    args = {"session": str(session), "options": options, "rows": rows, "burst": burst, "sleep": sleep,
+            "stop": str(stop or session / "STOP")}
+    return subprocess.Popen([sys.executable, "-c", WRITER, json.dumps(args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def finish_writer(proc: subprocess.Popen, timeout: float = 120) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*.arrows"))}
+
+
+def shard_rows(session: Path) -> dict[str, int]:
+    rows = {t: 0 for t in schema.TABLES}
+    for p in proc_dirs(session):
+        for shard in list_shards(p):
+            res = ShardRead()
+            for _ in read_shard(shard, res):
+                pass
+            rows[shard.table] += res.rows
+    return rows
+
+
+def q(db: Path, sql: str, params: list | None = None) -> list[tuple]:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        return con.execute(sql, params or []).fetchall()
+    finally:
+        con.close()
+
+
+# ---- the synthetic generator ---------------------------------------------------------------------
+def test_synth_is_deterministic_and_exact(tmp_path):
+    a = synth.generate(tmp_path / "a", 20_000, seed=7)
+    b = synth.generate(tmp_path / "b", 20_000, seed=7)
+    c = synth.generate(tmp_path / "c", 20_000, seed=8)
+    assert a["events"] == b["events"] == c["events"] == 20_000
+    assert tree_digest(tmp_path / "a") == tree_digest(tmp_path / "b")  # byte for byte
+    assert tree_digest(tmp_path / "a") != tree_digest(tmp_path / "c")
+    assert a["session_id"] == b["session_id"] != c["session_id"]
+    # What the shards hold is what the report and proc.json say, by table.
+    rows = shard_rows(tmp_path / "a")
+    assert rows == a["rows"] and sum(rows.values()) == 20_000
+    written = {t: 0 for t in schema.TABLES}
+    for p in proc_dirs(tmp_path / "a"):
+        doc = read_proc(p)
+        assert doc["status"] == "complete" and set(doc["rows_written"]) == set(schema.TABLES)
+        for t, n in doc["rows_written"].items():
+            written[t] += n
+    assert written == rows
+
+
+def test_synth_cli_writes_a_session(tmp_path):
+    out = tmp_path / "s"
+    proc = subprocess.run([sys.executable, "-m", "kvtrace.synth", "-o", str(out), "--events", "12345",
+                           "--seed", "3"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["events"] == 12345
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["schema_version"] == schema.SCHEMA_VERSION and manifest["status"] == "complete"
+    assert manifest["synthetic"] == {"events": 12345, "seed": 3, "generator": "kvtrace.synth"}
+    assert sorted(read_proc(p)["role"] for p in proc_dirs(out)) == ["engine", "worker"]
+
+
+def test_synth_shape(tmp_path):
+    """The tables agree with each other the way a real recording's do."""
+    report = synth.generate(tmp_path / "s", 50_000, seed=3)
+    db = tmp_path / "s.duckdb"
+    [r] = ingest([tmp_path / "s"], db)
+    assert r["status"] == "complete" and r["events"] == 50_000 and r["rows"] == report["rows"]
+    for table in ("steps", "step_requests", "request_events", "block_events", "prefix_lookups",
+                  "preemptions", "batch_slots", "kv_access", "layer_timings", "clock_anchors"):
+        assert report["rows"][table] > 0, table
+    kinds = {e for (e,) in q(db, "SELECT DISTINCT event FROM block_events")}
+    assert kinds == {"alloc", "free", "cache", "touch", "evict"}
+    assert {e for (e,) in q(db, "SELECT DISTINCT event FROM request_events")} == {
+        "arrival", "queued", "scheduled", "first_token", "preempted", "resumed", "finished"}
+    # Each step's token count is the sum of its requests'; every KV access has its request (batch_slots).
+    assert q(db, """SELECT count(*) FROM steps s JOIN (SELECT step, sum(tokens) t, count(*) n FROM step_requests
+                    GROUP BY step) r USING (step) WHERE s.scheduled_tokens != r.t OR s.num_running != r.n""") \
+        == [(0,)]
+    assert q(db, "SELECT count(*) - count(request_id) FROM kv_access") == [(0,)]
+    # Lifecycles in order; job and turn parsed from the request ids (the manifest's job pattern).
+    assert q(db, """SELECT count(*) FROM requests WHERE finish_ns IS NOT NULL AND NOT (arrival_ns <= queued_ns
+                    AND queued_ns <= first_scheduled_ns AND first_scheduled_ns <= first_token_ns
+                    AND first_token_ns <= finish_ns)""") == [(0,)]
+    assert q(db, "SELECT count(*) FROM requests WHERE job_id IS NULL OR turn IS NULL") == [(0,)]
+    # Timestamps rise with the step; block ids stay inside the pool.
+    assert q(db, "SELECT count(*) FROM steps WHERE NOT (t_start_ns < t_sched_end_ns AND t_sched_end_ns < t_end_ns)") \
+        == [(0,)]
+    assert q(db, f"SELECT min(block_id) >= 0, max(block_id) < {synth.POOL} FROM block_events") == [(True, True)]
+    [(rate,)] = q(db, "SELECT sum(hit_tokens) / sum(query_tokens) FROM prefix_lookups WHERE after_preemption = 0")
+    assert 0.05 < rate < 0.9
+
+
+# ---- streaming ingest ----------------------------------------------------------------------------
+def table_digests(db: Path) -> dict[str, tuple]:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        out = {}
+        for t in [*schema.TABLES, "requests"]:
+            cols = [r[0] for r in con.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [t]).fetchall()]
+            out[t] = con.execute(f"SELECT count(*), sum(hash({', '.join(cols)})) FROM {t}").fetchone()
+        return out
+    finally:
+        con.close()
+
+
+def test_ingest_gathers_batches_into_few_inserts(tmp_path, monkeypatch):
+    """Recorder-sized batches are gathered into big INSERTs; where the chunks are cut changes nothing."""
+    synth.generate(tmp_path / "s", 40_000, seed=5)
+    batches = sum(1 for p in proc_dirs(tmp_path / "s") for s in list_shards(p) for _ in read_shard(s, ShardRead()))
+    calls: list[int] = []
+    real_insert = duckdb_load._insert
+    monkeypatch.setattr(duckdb_load, "_insert", lambda con, t, data, c: (calls.append(data.num_rows),
+                                                                         real_insert(con, t, data, c)))
+    ingest([tmp_path / "s"], tmp_path / "big.duckdb")
+    assert sum(calls) == 40_000 and len(calls) <= len(schema.TABLES) * 2 < batches
+    big = len(calls)
+    monkeypatch.setattr(duckdb_load, "INSERT_ROWS", 1_000)  # many small chunks
+    calls.clear()
+    ingest([tmp_path / "s"], tmp_path / "small.duckdb")
+    assert len(calls) > big
+    assert table_digests(tmp_path / "big.duckdb") == table_digests(tmp_path / "small.duckdb")
+
+
+def test_ingest_reports_progress_and_throughput(tmp_path, capsys):
+    synth.generate(tmp_path / "s", 20_000, seed=2)
+    [r] = ingest([tmp_path / "s"], tmp_path / "s.duckdb")
+    assert r["events"] == 20_000 and r["events_per_s"] > 0 and r["seconds"] > 0
+    proc = subprocess.run([sys.executable, "-m", "kvtrace", "ingest", str(tmp_path / "s"), "-o",
+                           str(tmp_path / "cli.duckdb"), "--progress"], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "20,000 events in" in proc.stdout and "/s)" in proc.stdout
+
+
+# ---- long recordings -----------------------------------------------------------------------------
+def test_shard_writer_rotates_by_size_and_age(tmp_path):
+    from kvtrace.recorder import ShardWriter, rows_to_batch
+
+    w = ShardWriter(tmp_path, "steps", rotate_bytes=20_000, rotate_s=3600)
+    batch = rows_to_batch("steps", [tuple("none" if c.type == schema.s else i for c in schema.TABLES["steps"])
+                                    for i in range(50)])
+    sizes = [w.write(batch) for _ in range(20)]
+    w.close()
+    assert len(set(sizes)) == 1 and len(w.closed_shards) >= 3
+    for path, _rows in w.closed_shards[:-1]:  # each shard ends with the first batch past the limit
+        size = path.stat().st_size
+        assert 20_000 <= size - 8 < 20_000 + sizes[0]  # (8: the end-of-stream marker)
+    assert [p.name for p, _ in w.closed_shards] == [f"steps.{i:05d}.arrows" for i in range(len(w.closed_shards))]
+    assert sum(rows for _, rows in w.closed_shards) == 1000 and w.bytes_total == sum(
+        p.stat().st_size for p, _ in w.closed_shards)
+    aged = ShardWriter(tmp_path, "drops", rotate_bytes=1 << 30, rotate_s=0.2)
+    aged.write(rows_to_batch("drops", [(1, "steps", 1, "buffer-cap")]))
+    aged.rotate_if_old()
+    assert aged.open_rows == 1 and not aged.closed_shards
+    time.sleep(0.3)
+    aged.rotate_if_old()  # no new batch needed: a quiet table's shard is closed by age
+    assert aged.open_rows == 0 and len(aged.closed_shards) == 1
+
+
+def test_recorder_rotates_shards(tmp_path):
+    session, _ = prepare_session(tmp_path / "rot", ["writer"], {})
+    w = start_writer(session, {"flush_interval_s": 0.05, "rotate_bytes": 32 << 10, "rotate_s": 0.5},
+                     rows=6_000, burst=100, sleep=0.03)
+    res = finish_writer(w)
+    [proc_dir] = proc_dirs(session)
+    shards = [s for s in list_shards(proc_dir) if s.table == "steps"]
+    assert len(shards) >= 2 and not any(s.open for s in shards)
+    assert [s.path.name for s in shards] == [f"steps.{i:05d}.arrows" for i in range(len(shards))]
+    assert shard_rows(session)["steps"] == res["rows_written"]["steps"] == 6_000
+    # By age: one burst, then idle: the writer thread closes the shard without a new batch.
+    session2, _ = prepare_session(tmp_path / "age", ["writer"], {})
+    w = start_writer(session2, {"flush_interval_s": 0.05, "rotate_s": 0.2}, rows=200, burst=200, sleep=5.0)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            dirs = proc_dirs(session2)
+            if dirs and any(s.table == "steps" and not s.open for s in list_shards(dirs[0])):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("shard not closed by age")
+    finally:
+        finish_writer(w)
+
+
+def test_ingest_while_recording(tmp_path):
+    """A recording can be ingested while its writer still appends: every complete batch (closed shards
+    and the complete part of the open ones) is loaded, nothing twice, nothing out of order."""
+    session, _ = prepare_session(tmp_path / "live", ["writer"], {})
+    stop = tmp_path / "STOP"
+    w = start_writer(session, {"flush_interval_s": 0.02, "rotate_bytes": 48 << 10}, rows=10**9,
+                     burst=100, sleep=0.005, stop=stop)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            dirs = proc_dirs(session)
+            if dirs and len([s for s in list_shards(dirs[0]) if s.table == "steps" and not s.open]) >= 3:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the writer closed no shards")
+        rounds = []
+        for i in range(3):  # ingest three times while it runs
+            before = read_proc(proc_dirs(session)[0])["rows_written"]["steps"]
+            closed = sum(1 for s in list_shards(proc_dirs(session)[0]) if s.table == "steps" and not s.open)
+            db = tmp_path / f"live{i}.duckdb"
+            [r] = ingest([session], db)
+            got = q(db, "SELECT count(*), count(DISTINCT step), min(step), max(step) FROM steps")[0]
+            rounds.append((before, closed, got))
+            assert r["status"] == "incomplete"
+            n = got[0]
+            assert got == (n, n, 0, n - 1), "steps must be a gap-free prefix: every complete batch, once"
+            assert n >= before  # everything flushed before the ingest started is in
+            assert q(db, "SELECT count(*) FROM step_requests")[0][0] >= before
+            assert dict(q(db, "SELECT status, count(*) FROM sessions GROUP BY 1")) == {"incomplete": 1}
+        assert rounds[-1][2][0] > rounds[0][2][0], "the writer kept writing between ingests"
+    finally:
+        stop.touch()
+        res = finish_writer(w)
+    finalize_session(session, 0)
+    [r] = ingest([session], tmp_path / "final.duckdb")
+    assert r["status"] == "complete" and r["rows"]["steps"] == res["appended"] == res["rows_written"]["steps"]
+
+
+def test_max_size_stop(tmp_path):
+    cap = 256 << 10
+    session, _ = prepare_session(tmp_path / "stop", ["writer"], {})
+    w = start_writer(session, {"flush_interval_s": 0.05, "max_size_bytes": cap, "max_size_policy": "stop"},
+                     rows=40_000, burst=400, sleep=0.01)
+    res = finish_writer(w)
+    assert res["stopped_reason"] == "max-size"
+    lost = res["dropped"]["steps"]["max-size"]
+    assert lost > 0 and res["rows_written"]["steps"] + lost == res["appended"] == 40_000
+    # The forecast stops before the cap; only the closing drops batch and proc.json may pass it.
+    assert session_size_bytes(session) <= cap + 8 << 10
+    finalize_session(session, 0)
+    db = tmp_path / "stop.duckdb"
+    [r] = ingest([session], db)
+    assert r["rows"]["steps"] == res["rows_written"]["steps"]
+    assert q(db, "SELECT sum(dropped) FROM drops WHERE table_name = 'steps' AND cause = 'max-size'") == [(lost,)]
+    [(dropped_events,)] = q(db, "SELECT sum(dropped) FROM drops")
+    assert dropped_events == sum(n for causes in res["dropped"].values() for n in causes.values())
+    summary = duckdb.connect(str(db), read_only=True)
+    try:
+        from kvtrace.queries import run_query
+
+        cols, rows = run_query(summary, "summary")
+        assert dict(zip(cols, rows[0], strict=True))["dropped_events"] == dropped_events
+    finally:
+        summary.close()
+
+
+def test_max_size_drop_oldest(tmp_path):
+    cap = 384 << 10
+    session, _ = prepare_session(tmp_path / "drop", ["writer"], {})
+    w = start_writer(session, {"flush_interval_s": 0.05, "max_size_bytes": cap, "max_size_policy": "drop-oldest"},
+                     rows=60_000, burst=500, sleep=0.01)
+    res = finish_writer(w)
+    assert res["stopped_reason"] is None and res["rows_written"]["steps"] == res["appended"] == 60_000
+    lost = res["dropped"]["steps"]["max-size"]
+    assert 0 < lost < 60_000
+    assert session_size_bytes(session) <= cap + (64 << 10) * 3  # the cap, give or take the open shards
+    [proc_dir] = proc_dirs(session)
+    tables = {s.table for s in list_shards(proc_dir)}
+    assert {"drops", "clock_anchors"} <= tables  # never dropped
+    finalize_session(session, 0)
+    db = tmp_path / "drop.duckdb"
+    [r] = ingest([session], db)
+    # What is left is the newest part of the run, gap-free, and the loss is on record.
+    n = 60_000 - lost
+    assert q(db, "SELECT count(*), min(step), max(step) FROM steps") == [(n, lost, 59_999)]
+    assert q(db, "SELECT sum(dropped) FROM drops WHERE table_name = 'steps' AND cause = 'max-size'") == [(lost,)]
+    assert json.loads(q(db, "SELECT dropped FROM procs")[0][0])["steps"]["max-size"] == lost
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs a POSIX system")
+def test_ingest_memory_does_not_grow_with_the_session(tmp_path):
+    """Peak RSS of an ingest of 4x the rows stays close to that of 1x (gathering bounds memory)."""
+    code = ("import resource, sys; from kvtrace.ingest import ingest; ingest([sys.argv[1]], sys.argv[2]); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    peaks = []
+    for n in (100_000, 400_000):
+        synth.generate(tmp_path / f"s{n}", n, seed=1)
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"s{n}"), str(tmp_path / f"{n}.duckdb")],
+                             capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert out.returncode == 0, out.stderr
+        peaks.append(int(out.stdout.split()[-1]))
+    assert peaks[1] < peaks[0] * 1.8, peaks
