@@ -2,9 +2,11 @@
 
 A shard is an Arrow IPC stream. A closed shard (`.arrows`) must read to its end-of-stream marker; a
 shard that was still open (`.arrows.partial`, its process was killed or is still running) is read up to
-its last complete batch and the bytes after it are reported as cut, never an error. Anything else that
-does not read (a closed shard cut short, flipped bits, another table's schema, not Arrow at all) is a
-`KvtraceError` naming the file.
+its last complete batch and the bytes after it are reported as cut, never an error; an open shard is
+reported even when not cut (`ShardRead.problems`, then `ingest_issues`), since rows its process had not
+flushed are missing, unless the process said it flushed everything before it was stopped. Anything else that does not read (a closed shard cut short or without its
+end-of-stream marker, flipped bits in the framing, values that are not valid Arrow such as non-UTF-8
+strings, another table's schema, not Arrow at all) is a `KvtraceError` naming the file.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import pyarrow as pa
 from kvtrace import schema
 from kvtrace.errors import KvtraceError
 from kvtrace.recorder import OPEN_SUFFIX, SHARD_SUFFIX
+from kvtrace.session import read_proc
+
+EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC end-of-stream marker, written when a shard closes
 
 
 @dataclass
@@ -26,6 +31,9 @@ class Shard:
     path: Path
     table: str
     open: bool  # still being written when read (or its process was killed)
+    # The writing process's proc.json status: "flushed" means it wrote everything it held when
+    # `kvtrace record` asked, just before vLLM stopped it, so its open shards miss nothing.
+    proc_status: str | None = None
 
 
 @dataclass
@@ -41,6 +49,7 @@ class ShardRead:
 def list_shards(proc_dir: Path) -> list[Shard]:
     """The shards of one process folder, in table then sequence order; unknown files are ignored."""
     shards = []
+    status = read_proc(proc_dir).get("status")
     for name in sorted(os.listdir(proc_dir)):
         is_open = name.endswith(SHARD_SUFFIX + OPEN_SUFFIX)
         if not (is_open or name.endswith(SHARD_SUFFIX)):
@@ -48,29 +57,51 @@ def list_shards(proc_dir: Path) -> list[Shard]:
         table = name.split(".", 1)[0]
         if table not in schema.TABLES:
             raise KvtraceError(f"{proc_dir / name}: shard of unknown table {table!r}")
-        shards.append(Shard(proc_dir / name, table, is_open))
+        shards.append(Shard(proc_dir / name, table, is_open, status))
     return shards
 
 
 def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
     """Yield the shard's batches, checked against its table's schema; fills `result` as it goes."""
     path = shard.path
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        closed = path.with_name(path.name[: -len(OPEN_SUFFIX)]) if shard.open else None
+        if closed is None or not closed.exists():
+            raise KvtraceError(f"{path}: shard vanished while the session was being read") from None
+        # Its process closed it (renamed .partial -> .arrows) between listing and reading: read that.
+        shard.path, shard.open = closed, False
+        yield from read_shard(shard, result)
+        return
+    except OSError as exc:
+        raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
+    if not path.is_file():
+        raise KvtraceError(f"{path}: not a file (expected an Arrow IPC shard)")
     if size == 0:
         if shard.open:  # created, killed before the header was flushed
+            if shard.proc_status != "flushed":
+                result.problems.append(f"{path}: not closed and empty (its process stopped before writing to it)")
             return
         raise KvtraceError(f"{path}: empty shard file")
     expected = schema.arrow_schema(shard.table)
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
+    with f:
         try:
             reader = pa.ipc.open_stream(f)
-        except (pa.ArrowInvalid, OSError) as exc:
+        except (pa.ArrowException, OSError) as exc:  # ArrowInvalid, or NotImplemented for flipped type ids
             if shard.open and size < 4096:
                 result.bytes_cut = size
                 result.problems.append(f"{path}: header cut ({size} bytes)")
                 return
             raise KvtraceError(f"{path}: not an Arrow IPC stream ({_short(exc)})") from None
-        _check_schema(path, reader.schema, shard.table, expected)
+        try:
+            _check_schema(path, reader.schema, shard.table, expected)
+        except UnicodeDecodeError:
+            raise KvtraceError(f"{path}: column names are not UTF-8; not a {shard.table} shard") from None
         good_end = f.tell()
         while True:
             try:
@@ -84,12 +115,37 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
                         f"{path}: last batch cut ({result.bytes_cut} bytes after row {result.rows})")
                     return
                 raise KvtraceError(f"{path}: corrupt shard after row {result.rows} ({_short(exc)})") from None
+            try:
+                # IPC reading checks the framing, not the values: bad offsets or non-UTF-8 strings
+                # (flipped bits, another writer) would fail later inside DuckDB, or read out of bounds.
+                batch.validate(full=True)
+            except (pa.ArrowInvalid, pa.ArrowException) as exc:
+                raise KvtraceError(f"{path}: invalid data in the batch after row {result.rows} "
+                                   f"({_short(exc)})") from None
             good_end = f.tell()
             result.rows += batch.num_rows
             result.batches += 1
             yield batch
-        if shard.open and good_end < size:
-            result.bytes_cut = size - good_end
+        f.seek(good_end)
+        tail = f.read(len(EOS) + 1)
+        if shard.open:
+            if tail and tail != EOS:  # an open shard may end with the marker (closed, not yet renamed)
+                result.bytes_cut = size - good_end
+                result.problems.append(
+                    f"{path}: last batch cut ({result.bytes_cut} bytes after row {result.rows})")
+            elif not tail and shard.proc_status != "flushed":
+                # Whole batches only, but never closed: its process was killed (or is still running), so
+                # rows it had not flushed yet are missing. Said here, as nothing else in the files says it.
+                result.problems.append(f"{path}: not closed (its process was killed or is still running); "
+                                       f"read to its last whole batch, {result.rows} rows")
+        elif tail != EOS:
+            # Closing writes the end-of-stream marker; without it batches after row N may be missing (a
+            # copy cut at a batch boundary); bytes after it were not written by kvtrace.
+            what = ("no end-of-stream marker" if not tail else
+                    f"{size - good_end - len(EOS)} unexpected bytes after the end-of-stream marker"
+                    if tail.startswith(EOS) else f"{size - good_end} bytes that are not a batch")
+            raise KvtraceError(f"{path}: corrupt shard: {what} after row {result.rows} (a closed shard "
+                               f"was cut short or written to by something else)")
 
 
 def _check_schema(path: Path, got: pa.Schema, table: str, expected: pa.Schema) -> None:
