@@ -162,16 +162,20 @@ def open_db(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
         raise KvtraceError(f"{path}: is a directory, expected a DuckDB file")
     if read_only and not path.exists():
         raise KvtraceError(f"{path}: no such database")
+    if not path.parent.is_dir():
+        raise KvtraceError(f"{path}: directory {path.parent} does not exist")
+    existed = path.exists() and path.stat().st_size > 0
     try:
         con = duckdb.connect(str(path), read_only=read_only)
     except duckdb.Error as exc:
         raise KvtraceError(f"{path}: not a DuckDB database ({str(exc).splitlines()[0][:120]})") from None
-    if read_only:
+    if read_only or existed:
         tables = {r[0] for r in con.execute("select table_name from information_schema.tables").fetchall()}
-        if "kvtrace_meta" not in tables and "sessions" not in tables and not any(
-                t.startswith("nsys_") for t in tables):
+        ours = "kvtrace_meta" in tables or "sessions" in tables or any(t.startswith("nsys_") for t in tables)
+        if not ours and (read_only or tables):
             con.close()
-            raise KvtraceError(f"{path}: a DuckDB database, but not one kvtrace wrote (no kvtrace tables)")
+            what = "refusing to add kvtrace tables to it" if not read_only else "no kvtrace tables"
+            raise KvtraceError(f"{path}: a DuckDB database, but not one kvtrace wrote ({what})")
     return con
 
 

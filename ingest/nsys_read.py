@@ -96,9 +96,10 @@ def open_export(path: str | Path) -> Export:
         for name in names:
             cols = export.con.execute(f"PRAGMA table_info({_q(name)})").fetchall()
             export.tables[name] = {c[1] for c in cols}
-    except sqlite3.DatabaseError as exc:
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
+        # UnicodeDecodeError: sqlite3 cannot decode SQLite's own message when it quotes a non-UTF-8 name
         export.close()
-        raise export.fail(f"unreadable SQLite database ({exc})") from None
+        raise export.fail(f"unreadable SQLite database ({str(exc)[:160]})") from None
     if not export.has("StringIds", "value") or not any(t in export.tables for t in NSYS_MARKERS):
         export.close()
         raise export.fail("an SQLite database but not an Nsight Systems export "

@@ -49,6 +49,7 @@ class ShardWriter:
         self.seq = 0
         self.closed_shards: list[tuple[Path, int]] = []  # (path, rows), oldest first
         self._file = None
+        self.broken = False
         self._path: Path | None = None
         self._bytes = 0
         self._rows = 0
@@ -69,13 +70,15 @@ class ShardWriter:
     def _open(self) -> None:
         self._path = self.directory / f"{self.table}.{self.seq:05d}{SHARD_SUFFIX}{OPEN_SUFFIX}"
         self.seq += 1
-        self._file = open(self._path, "wb")
+        # Unbuffered: a failed write must not leave bytes in a Python buffer that a later flush or
+        # close() would append after our end-of-stream marker.
+        self._file = open(self._path, "wb", buffering=0)
+        self._bytes = 0
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, self.schema):
             pass  # only the schema message; the end-of-stream marker is cut off below
         header = sink.getvalue().to_pybytes()[:-8]
-        self._file.write(header)
-        self._file.flush()
+        self._write_all(header)
         self._bytes, self._rows, self._opened_at = len(header), 0, time.monotonic()
         self.bytes_total += len(header)
 
@@ -83,9 +86,10 @@ class ShardWriter:
         """Append one batch; returns the bytes written. Raises OSError on disk trouble."""
         if self._file is None:
             self._open()
+        if self.broken:
+            raise OSError(f"{self._path}: shard left incomplete by an earlier write error")
         payload = _batch_message(batch)
-        self._file.write(payload)  # one write: a kill leaves whole batches or a detectable tail
-        self._file.flush()
+        self._write_all(payload)  # whole batches only: a kill leaves whole batches or a detectable tail
         self._bytes += len(payload)
         self.bytes_total += len(payload)
         self._rows += batch.num_rows
@@ -93,10 +97,33 @@ class ShardWriter:
             self.close()
         return len(payload)
 
+    def _write_all(self, data: bytes) -> None:
+        """Write all of `data` or nothing: on an error (disk full) cut the file back to where it was."""
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._file.write(view):]
+        except OSError:
+            try:
+                self._file.truncate(self._bytes)
+                self._file.seek(self._bytes)
+            except OSError:
+                self.broken = True  # a cut tail stays: close() leaves the shard `.partial`
+            raise
+
     def close(self) -> None:
         if self._file is None:
             return
-        self._file.write(b"\xff\xff\xff\xff\x00\x00\x00\x00")  # Arrow end-of-stream marker
+        if self.broken:  # never seal a shard with a torn batch in it: readers stop at its last whole one
+            self._file.close()
+            self._file = None
+            return
+        try:
+            self._write_all(b"\xff\xff\xff\xff\x00\x00\x00\x00")  # Arrow end-of-stream marker
+        except OSError:  # no room for the marker: the shard stays `.partial`, whole up to its last batch
+            self._file.close()
+            self._file = None
+            return
         self.bytes_total += 8
         self._file.close()
         final = self._path.with_name(self._path.name[: -len(OPEN_SUFFIX)])

@@ -18,7 +18,8 @@ from functools import cache
 
 import pyarrow as pa
 
-# Bump when a column is removed or changes meaning; adding a table or a trailing column is compatible.
+# Bump when a column is removed or changes meaning, or a table is added (older readers refuse shards of
+# tables they do not know); adding a trailing column is compatible (older shards read with nulls).
 SCHEMA_VERSION = 1
 # Readers accept shards and manifests from this version up to SCHEMA_VERSION.
 OLDEST_READABLE_SCHEMA_VERSION = 1
@@ -164,6 +165,13 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("block_ids", i32_list, "", "blocks involved"),
         _c("ttl_ns", i64, "ns", "pin time-to-live, when the policy has one"),
         _c("reason", s, "", "policy or connector that pinned/held"),
+    ),
+    # Token ids, only with `kvtrace record --record-tokens` (traces carry no prompt data otherwise).
+    "request_tokens": (
+        _c("ts_ns", i64, "ns", "when recorded"),
+        _c("request_id", s, "", "vLLM request id"),
+        _c("kind", s, "", "prompt (at arrival) or output (at finish)"),
+        _c("token_ids", i32_list, "", "the token ids"),
     ),
     # Which request sits in which batch slot of a step (Worker), for decoding device records.
     "batch_slots": (

@@ -52,10 +52,7 @@ def command_for(kind: str, target: str, db: Path) -> list[str]:
 
 
 # Bugs these inputs found in files owned by others, left for their owners (docs/reliability.md).
-KNOWN_BUGS = {
-    "nsys_non_utf8_schema.sqlite": "ingest/nsys_read.py open_export: sqlite3 cannot decode SQLite's own error "
-                                   "message (it quotes the bad byte): UnicodeDecodeError, exit 2",
-}
+KNOWN_BUGS: dict[str, str] = {}  # corpus file -> why it is expected to fail (strict xfail)
 
 
 def _case(c: tuple):

@@ -200,11 +200,6 @@ print(json.dumps({"appended": appended, "written": rec.rows_written["steps"], "d
 """
 
 
-@pytest.mark.xfail(strict=True, reason="kvtrace/recorder.py ShardWriter.write: a write cut short by a full disk (here "
-                                       "EFBIG) leaves part of the batch in the shard; close() then appends the end "
-                                       "marker and renames it .arrows, so the closed shard is corrupt and the whole "
-                                       "session fails to ingest (with ENOSPC on tmpfs the rest of the batch stayed in "
-                                       "Python's buffer and was written at close: rows counted lost were ingested)")
 def test_a_batch_cut_by_a_full_disk_is_either_written_or_counted_lost(tmp_path):
     """Every row appended ends up exactly once: in a shard, or in the writer-error count."""
     import sys
