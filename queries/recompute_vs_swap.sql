@@ -30,7 +30,8 @@ WITH chk AS (
 ), lc AS (  -- per step: time in load calls (a call's per-request rows share one start and end)
     SELECT session, dp, step, sum(ts_end_ns - ts_start_ns) AS call_ns
     FROM (SELECT DISTINCT session, rank // 1000 AS dp, pid, step, method, ts_start_ns, ts_end_ns
-          FROM transfers WHERE direction = 'load' AND ($session IS NULL OR session = $session))
+          FROM transfers WHERE direction = 'load' AND method <> 'get_finished'  -- completions, not load time
+            AND ($session IS NULL OR session = $session))
     GROUP BY ALL
 ), rc AS (  -- catch-up rows with their share of the step's time, less the step's connector loads
     SELECT w.session, w.rank, w.request_id, w.pstep, count(*) AS recompute_steps,
@@ -60,7 +61,8 @@ WITH chk AS (
 ), lr AS (  -- per (step, request): bytes loaded
     SELECT t.session, t.rank // 1000 AS dp, t.step, t.request_id, sum(coalesce(t.bytes, 0)) AS bytes
     FROM transfers t
-    WHERE t.direction = 'load' AND t.request_id IS NOT NULL AND ($session IS NULL OR t.session = $session)
+    WHERE t.direction = 'load' AND t.method <> 'get_finished' AND t.request_id IS NOT NULL
+      AND ($session IS NULL OR t.session = $session)
     GROUP BY ALL
 ), ls AS (
     SELECT lr.*, lr.bytes / nullif(sum(lr.bytes) OVER (PARTITION BY lr.session, lr.dp, lr.step), 0) AS share,
