@@ -152,12 +152,16 @@ class Recorder:
         self.max_pending_rows = int(options.get("max_pending_rows", 5_000_000))
         self.max_size_bytes = int(options.get("max_size_bytes", 0))  # 0 = no cap
         self.max_size_policy = options.get("max_size_policy", "stop")  # or "drop-oldest"
+        self.batch_rows = 1 << 20  # rows per RecordBatch at most
         if self.max_size_policy not in ("stop", "drop-oldest"):
             self.max_size_policy = "stop"
         if self.max_size_bytes and self.max_size_policy == "drop-oldest":
             # Dropping works a closed shard at a time: keep shards small against the cap, so one drop
             # loses a small slice of the run and open shards cannot hold most of the budget.
             self.rotate_bytes = min(self.rotate_bytes, max(self.max_size_bytes // 64, 64 << 10))
+            # Small batches, so shards can rotate inside one flush and the oldest go first, even when
+            # a starved writer finds more than the whole cap waiting.
+            self.batch_rows = 1024
         self.options = options
         self.buffers: dict[str, list] = {t: [] for t in schema.TABLES}
         self._start()
@@ -294,7 +298,7 @@ class Recorder:
                 self.count_drop(table, len(rows) - self.max_pending_rows, "buffer-cap")
                 rows = rows[-self.max_pending_rows:]
             try:
-                for batch in _batches(table, rows):
+                for batch in _batches(table, rows, self.batch_rows):
                     self.writers[table].write(batch)
                     self.rows_written[table] += batch.num_rows
             except OSError as exc:
@@ -427,8 +431,8 @@ def _row_count(rows: list) -> int:
     return sum(r.num_rows if isinstance(r, pa.RecordBatch) else 1 for r in rows)
 
 
-def _batches(table: str, rows: list) -> list[pa.RecordBatch]:
-    """Row tuples and whole batches (from append_columns) as RecordBatches, in order."""
+def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordBatch]:
+    """Row tuples and whole batches (from append_columns) as RecordBatches of at most `max_rows`, in order."""
     out: list[pa.RecordBatch] = []
     run: list[tuple] = []
     for row in rows:
@@ -436,9 +440,12 @@ def _batches(table: str, rows: list) -> list[pa.RecordBatch]:
             if run:
                 out.append(rows_to_batch(table, run))
                 run = []
-            out.append(row)
+            out.extend(row.slice(i, max_rows) for i in range(0, row.num_rows, max_rows))
         else:
             run.append(row)
+            if len(run) >= max_rows:
+                out.append(rows_to_batch(table, run))
+                run = []
     if run:
         out.append(rows_to_batch(table, run))
     return out
