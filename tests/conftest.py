@@ -16,6 +16,9 @@ SHARED = REPO.parent / "shared"
 NSYS_FIXTURES = SHARED / "fixtures" / "nsys"
 JOB_PATTERN = r"job(?P<job>\d+)-turn(?P<turn>\d+)"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Child processes find the environment's scripts (`vllm`, `kvtrace`) as in an activated venv, also when
+# the tests run as `.venv/bin/python -m pytest` (what `make test` and CI do).
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
 def have_vllm() -> bool:
