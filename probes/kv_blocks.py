@@ -5,6 +5,15 @@ cache_full_blocks, _maybe_evict_cached_block) and attributes each call to the re
 `KVCacheManager` was working for. One row per call, with the list of block ids (ingest unnests), so
 the cost per event does not grow with the pool.
 
+Attribution: `get_new_blocks` and `touch` are called by the per-group managers
+(`SingleTypeKVCacheManager.allocate_new_blocks(request_id, ...)`, `add_local_computed_blocks(request_id,
+...)`, ...), which name the request in their `request_id` argument: the wrapper reads it from the
+calling frame (a few frames up at most), so only pool calls pay for attribution. Wrapping
+`KVCacheManager.allocate_slots` instead, as this probe first did, cost every running request a wrapper
+call every step (~0.4 us each, ~4% of a 256-request scheduling step; bench/bench_host_probes.py).
+`free_blocks` is attributed the same way (`SingleTypeKVCacheManager.free(request_id)`); frees with no
+request behind them (deferred frees, copy-on-write retentions) get none.
+
 `prefix_cache` patches `KVCacheManager.get_computed_blocks` (the lookup) and
 `KVCacheManager.record_prefix_cache_stats` (vLLM counts a lookup there, at admission): a lookup row is
 written when vLLM counts it, so our totals equal vLLM's `prefix_cache_queries` / `_hits` exactly.
@@ -12,6 +21,7 @@ written when vLLM counts it, so our totals equal vLLM's `prefix_cache_queries` /
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -19,8 +29,36 @@ from kvtrace.probes.base import Probe
 from kvtrace.probes.context import ctx
 
 _now = time.monotonic_ns
+_frame = sys._getframe
 POOL = "vllm.v1.core.block_pool"
 KVM = "vllm.v1.core.kv_cache_manager"
+STM = "vllm.v1.core.single_type_kv_cache_manager"
+
+
+def caller_request_id(depth: int = 2, up: int = 3) -> str | None:
+    """The `request_id` (or `request`) *argument* of the nearest of `up` callers that has one, from
+    frame `depth` (2 = the caller of the function calling this); else `ctx.request_id`.
+
+    Only arguments count, never other locals: a loop variable named `request` in a caller further up
+    (update_from_output has one) says nothing about whose blocks move."""
+    try:
+        f = _frame(depth)
+    except ValueError:
+        return ctx.request_id
+    while f is not None and up > 0:
+        code = f.f_code
+        args = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        if "request_id" in args:  # checked on the code object first: f_locals costs ~0.5 us
+            rid = f.f_locals.get("request_id")
+            if isinstance(rid, str):
+                return rid
+        elif "request" in args:
+            rid = getattr(f.f_locals.get("request"), "request_id", None)
+            if isinstance(rid, str):
+                return rid
+        f = f.f_back
+        up -= 1
+    return ctx.request_id
 
 
 def hash64(block_hash: Any) -> int | None:
@@ -43,26 +81,18 @@ class BlockPoolProbe(Probe):
             (POOL, "BlockPool.cache_full_blocks",
              ("request", "blocks", "num_cached_blocks", "num_full_blocks", "kv_cache_group_id")),
             (POOL, "BlockPool._maybe_evict_cached_block", ("block",)),
-            (KVM, "KVCacheManager.allocate_slots", ("request",)),
-            (KVM, "KVCacheManager.free", ("request",)),
+            # The callers whose `request_id` argument attributes get_new_blocks / touch / free_blocks.
+            (STM, "SingleTypeKVCacheManager.allocate_new_blocks", ("request_id",)),
+            (STM, "SingleTypeKVCacheManager.add_local_computed_blocks", ("request_id",)),
+            (STM, "SingleTypeKVCacheManager.free", ("request_id",)),
         ]
 
     def install_patches(self) -> None:
         from vllm.v1.core.block_pool import BlockPool
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
 
         out = self.rec.buffer("block_events")
         probe = self
         evicted: list | None = None  # collects evictions made inside one get_new_blocks call
-
-        def for_request(orig):  # KVCacheManager.allocate_slots / free: remember whose blocks move
-            def wrapper(kvm, request, *args, **kwargs):
-                prev, ctx.request_id = ctx.request_id, request.request_id
-                try:
-                    return orig(kvm, request, *args, **kwargs)
-                finally:
-                    ctx.request_id = prev
-            return wrapper
 
         def get_new_blocks(orig):
             def wrapper(pool, num_blocks, *args, **kwargs):
@@ -79,28 +109,27 @@ class BlockPoolProbe(Probe):
                 try:
                     probe.maybe_inject_fault()
                     t = _now()
+                    rid = caller_request_id()
                     if got:
-                        out.append((t, ctx.step, "evict", 0, ctx.request_id,
-                                    [b for b, _ in got], [h for _, h in got]))
-                    out.append((t, ctx.step, "alloc", 0, ctx.request_id,
-                                [b.block_id for b in blocks], None))
+                        out.append((t, ctx.step, "evict", 0, rid, [b for b, _ in got], [h for _, h in got]))
+                    out.append((t, ctx.step, "alloc", 0, rid, [b.block_id for b in blocks], None))
                 except Exception as exc:
                     probe.fail(exc)
                 return blocks
             return wrapper
 
-        def maybe_evict(orig):
+        def maybe_evict(orig):  # once per block handed out: keep it lean
             def wrapper(pool, block, *args, **kwargs):
                 if not probe.enabled:
                     return orig(pool, block, *args, **kwargs)
                 key = block.block_hash
-                done = orig(pool, block, *args, **kwargs)
+                done = orig(pool, block, *args, **kwargs) if args or kwargs else orig(pool, block)
                 if done:
                     h = hash64(key)
                     if evicted is not None:
                         evicted.append((block.block_id, h))
                     else:  # eviction outside allocation (evict_blocks, reset_prefix_cache)
-                        out.append((_now(), ctx.step, "evict", 0, ctx.request_id, [block.block_id], [h]))
+                        out.append((_now(), ctx.step, "evict", 0, caller_request_id(), [block.block_id], [h]))
                 return done
             return wrapper
 
@@ -112,7 +141,7 @@ class BlockPoolProbe(Probe):
                 result = orig(pool, blocks, *args, **kwargs)
                 ids = [b.block_id for b in blocks if not b.is_null]
                 if ids:
-                    out.append((_now(), ctx.step, "free", 0, ctx.request_id, ids, None))
+                    out.append((_now(), ctx.step, "free", 0, caller_request_id(), ids, None))
                 return result
             return wrapper
 
@@ -122,7 +151,7 @@ class BlockPoolProbe(Probe):
                 if probe.enabled:
                     ids = [b.block_id for b in blocks if not b.is_null]
                     if ids:
-                        out.append((_now(), ctx.step, "touch", 0, ctx.request_id, ids, None))
+                        out.append((_now(), ctx.step, "touch", 0, caller_request_id(), ids, None))
                 return result
             return wrapper
 
@@ -142,8 +171,6 @@ class BlockPoolProbe(Probe):
                 return result
             return wrapper
 
-        self.patch(KVCacheManager, "allocate_slots", for_request)
-        self.patch(KVCacheManager, "free", for_request)
         self.patch(BlockPool, "get_new_blocks", get_new_blocks)
         self.patch(BlockPool, "_maybe_evict_cached_block", maybe_evict)
         self.patch(BlockPool, "free_blocks", free_blocks)

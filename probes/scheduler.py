@@ -6,12 +6,31 @@ output is tagged with our step id so the worker can read it), `update_from_outpu
 first tokens), `add_request` (arrival), `_preempt_request`, `_free_request` (finish, connector holds),
 `_free_blocks` (a held request's blocks are released), `_handle_blocked_waiting_request` and
 `KVCacheManager.allocate_slots` (why admission stopped).
+
+Cost: a step schedules up to max_num_seqs requests, so nothing here may do Python work per running
+request beyond its `step_requests` row. Decode rows (the common case) are not tuples: their values are
+appended as columns (list.extend over the SchedulerOutput's own lists, no object per row) and handed
+to the recorder as one RecordBatch every ~0.25 s (`DecodeColumns`), which spares the row tuples, the
+garbage collections they trigger and the writer's transposition. Only requests in a prefill (new,
+resumed, or whose prompt is still being chunked: `prefill_chunks`) take the per-request path. `update_from_output` looks only at
+the requests whose prefill completed in that step (first tokens), never at every output. And
+`allocate_slots`, called once per running request per step, is not wrapped at class level (a wrapper
+there cost ~2.3% of a scheduling step): the kv-insuf check is an instance attribute `allocate_slots` on
+the KVCacheManager, set with setattr only while the waiting queue is admitted (armed from
+`_handle_blocked_waiting_request`, which vLLM calls first for every waiting request it considers) and
+deleted with delattr when schedule() returns (~0.3%). Never through `kvm.__dict__`: reading an
+instance's `__dict__` materialises it and slows every attribute access on the object afterwards
+(CPython 3.11 inline values; measured ~2% of a step). See bench/bench_host_probes.py.
 """
 
 from __future__ import annotations
 
 import time
+from itertools import chain
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
 
 from kvtrace.probes.base import Probe
 from kvtrace.probes.context import ctx
@@ -24,6 +43,49 @@ try:  # optional: NVTX ranges so an Nsight capture of the same run lines up with
     from kvtrace.probes import nvtx_ranges as _nvtx
 except Exception:  # pragma: no cover - the module is optional
     _nvtx = None
+
+
+class DecodeColumns:
+    """`step_requests` rows of decoding requests (phase decode, chunk -1, kind running), kept as one
+    segment per step until `take()` hands them to the recorder as a single RecordBatch.
+
+    A segment is (step, request ids, computed tokens, tokens or None, new blocks or None): copies of the
+    SchedulerOutput's own lists, None standing for the usual values (1 token, 0 new blocks), so a step
+    costs two list copies on the scheduler thread and Arrow conversions come in bulk. Segments are whole
+    tuples and `take()` swaps the list first: a take from another thread (the recorder's flush on
+    SIGUSR2) never sees a half-written row.
+    """
+
+    __slots__ = ("segs", "rows", "since_ns")
+    FLUSH_ROWS = 16384
+    FLUSH_NS = 250_000_000  # hand the rows to the recorder at least this often (monotonic ns)
+
+    def __init__(self) -> None:
+        self.segs: list[tuple] = []
+        self.rows = 0
+        self.since_ns = _now()
+
+    def take(self, rec: Any) -> None:
+        segs, self.segs = self.segs, []
+        self.rows, self.since_ns = 0, _now()
+        if not segs:
+            return
+        lens = [len(seg[1]) for seg in segs]
+        n = sum(lens)
+
+        def column(i: int, usual: int) -> Any:
+            if all(seg[i] is None for seg in segs):
+                return np.full(n, usual, dtype=np.int32)
+            return np.concatenate([np.full(k, usual, dtype=np.int32) if seg[i] is None
+                                   else np.asarray(seg[i], dtype=np.int32) for seg, k in zip(segs, lens)])
+
+        rec.append_columns("step_requests", {
+            "step": np.repeat(np.array([seg[0] for seg in segs], dtype=np.int64), lens),
+            "request_id": list(chain.from_iterable(seg[1] for seg in segs)),
+            "tokens": column(3, 1), "phase": pa.repeat("decode", n),
+            "chunk_index": np.full(n, -1, dtype=np.int32),
+            "computed_before": np.fromiter(chain.from_iterable(seg[2] for seg in segs), np.int32, n),
+            "new_blocks": column(4, 0), "kind": pa.repeat("running", n)})
 
 
 class SchedulerProbe(Probe):
@@ -43,7 +105,6 @@ class SchedulerProbe(Probe):
         ]
 
     def install_patches(self) -> None:
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.sched.scheduler import Scheduler
 
         self.steps = self.rec.buffer("steps")
@@ -51,9 +112,19 @@ class SchedulerProbe(Probe):
         self.req_events = self.rec.buffer("request_events")
         self.preempts = self.rec.buffer("preemptions")
         self.pins = self.rec.buffer("pins")
+        self.token_rows = self.rec.buffer("request_tokens")
+        self.record_tokens = bool(self.options.get("record_tokens"))
         self.pending_steps: dict[int, list] = {}  # step -> row awaiting update_from_output
+        self.decode_cols = DecodeColumns()
         self.awaiting_first_token: set[str] = set()
-        self.prefill_chunks: dict[str, int] = {}  # request -> prefill chunks since (re)start
+        # Requests whose prefill is not complete yet -> index of their next prefill chunk. A request
+        # leaves when a chunk reaches its num_tokens, is preempted (its recompute starts at 0) or ends.
+        self.prefill_chunks: dict[str, int] = {}
+        # step -> [(request_id, Request)] whose prefill completed in that step and that have produced
+        # no token yet: update_from_output of that step gives them their first token.
+        self.first_token_due: dict[int, list] = {}
+        self.finished_in_update = 0  # _free_request calls during the current update_from_output
+        self.armed: Any = None  # the KVCacheManager whose allocate_slots is watched while admitting
         self.held: set[str] = set()  # requests whose blocks a connector holds after finish
         self.kv_short = False  # allocate_slots returned None for a waiting request this step
         self.blocked = False  # a waiting request was skipped as blocked this step
@@ -77,7 +148,14 @@ class SchedulerProbe(Probe):
                     probe.nvtx_open(ctx.step, "schedule")
                 except Exception as exc:
                     probe.fail(exc)
-                out = orig(sched, *args, **kwargs)
+                try:
+                    out = orig(sched, *args, **kwargs)
+                finally:
+                    if probe.armed is not None:
+                        try:
+                            probe.disarm_admission()
+                        except Exception as exc:  # never into vLLM
+                            probe.fail(exc)
                 try:
                     probe.nvtx_close(keep_step=True)
                     probe.on_schedule(sched, out, t0)
@@ -96,6 +174,7 @@ class SchedulerProbe(Probe):
                     probe.nvtx_open(None, "update")
                 except Exception as exc:
                     probe.fail(exc)
+                probe.finished_in_update = 0
                 result = orig(sched, scheduler_output, model_runner_output, *args, **kwargs)
                 try:
                     probe.nvtx_close(keep_step=False)
@@ -155,20 +234,18 @@ class SchedulerProbe(Probe):
             return wrapper
 
         def handle_blocked(orig):
+            # vLLM calls this first for every waiting request it considers admitting, before that
+            # request's allocate_slots: from here until schedule() returns, watch allocate_slots.
             def wrapper(sched, request, *args, **kwargs):
                 ready = orig(sched, request, *args, **kwargs)
                 if not ready:
                     probe.blocked = True
+                elif probe.armed is None and probe.enabled:
+                    try:
+                        probe.arm_admission(sched.kv_cache_manager)
+                    except Exception as exc:
+                        probe.fail(exc)
                 return ready
-            return wrapper
-
-        def allocate_slots(orig):
-            def wrapper(kvm, request, num_new_tokens, *args, **kwargs):
-                blocks = orig(kvm, request, num_new_tokens, *args, **kwargs)
-                # None for a request that is not running = admission stopped for lack of KV blocks.
-                if blocks is None and request.status.name != "RUNNING":
-                    probe.kv_short = True
-                return blocks
             return wrapper
 
         def shutdown(orig):
@@ -195,7 +272,35 @@ class SchedulerProbe(Probe):
         self.patch(Scheduler, "_free_request", free_request)
         self.patch(Scheduler, "_free_blocks", free_blocks)
         self.patch(Scheduler, "_handle_blocked_waiting_request", handle_blocked)
-        self.patch(KVCacheManager, "allocate_slots", allocate_slots)
+
+    # ---- kv-insuf: allocate_slots seen only while the waiting queue is admitted ---------------
+    def arm_admission(self, kvm: Any) -> None:
+        """Give `kvm` an instance attribute `allocate_slots` that notes a failed admission."""
+        plain = kvm.allocate_slots
+        if getattr(plain, "__self__", None) is not kvm:  # someone else shadows it already: leave it
+            return
+        probe = self
+
+        def allocate_slots(request, num_new_tokens, *args, **kwargs):
+            blocks = plain(request, num_new_tokens, *args, **kwargs)
+            # None for a request that is not running = admission stopped for lack of KV blocks.
+            if blocks is None and request.status.name != "RUNNING":
+                probe.kv_short = True
+            return blocks
+
+        allocate_slots.__kvtrace_probe__ = self.name
+        kvm.allocate_slots = allocate_slots  # setattr, never kvm.__dict__ (see the module docstring)
+        self.armed = kvm
+
+    def disarm_admission(self) -> None:
+        kvm, self.armed = self.armed, None
+        if getattr(kvm.allocate_slots, "__kvtrace_probe__", None) == self.name:
+            del kvm.allocate_slots
+
+    def uninstall(self) -> None:
+        if getattr(self, "armed", None) is not None:
+            self.disarm_admission()
+        super().uninstall()
 
     # ---- NVTX: `kvtrace step N` from schedule() to the end of update_from_output() -------------
     def nvtx_open(self, step: int | None, phase: str) -> None:
@@ -232,6 +337,7 @@ class SchedulerProbe(Probe):
         requests = sched.requests
         num_sched = out.num_scheduled_tokens
         rows = self.step_reqs
+        events = self.req_events
         prefill_tokens = prefill_reqs = prompt_new = cached_new = 0
         for new in out.scheduled_new_reqs:
             rid = new.req_id
@@ -240,34 +346,61 @@ class SchedulerProbe(Probe):
             computed = new.num_computed_tokens
             prompt_new += req.num_prompt_tokens if req is not None else 0
             cached_new += computed
-            chunk = self._next_chunk(rid)
+            chunk = self._prefill_chunk(step, rid, req, computed, tokens)
             blocks = len(new.block_ids[0]) if new.block_ids else 0
             rows.append((step, rid, tokens, "prefill", chunk, computed, blocks, "new"))
             prefill_tokens += tokens
             prefill_reqs += 1
-            self.req_events.append((t1, step, rid, "scheduled", computed, None))
+            events.append((t1, step, rid, "scheduled", computed, None))
         cached = out.scheduled_cached_reqs
-        resumed_ids = getattr(cached, "resumed_req_ids", ()) or ()
+        ids = cached.req_ids
         num_resumed = 0
-        for i, rid in enumerate(cached.req_ids):
-            req = requests.get(rid)
-            tokens = num_sched.get(rid, 0)
-            computed = cached.num_computed_tokens[i]
-            new_ids = cached.new_block_ids[i]
-            blocks = len(new_ids[0]) if new_ids else 0
-            resumed = rid in resumed_ids
-            if resumed:
-                num_resumed += 1
-                self.prefill_chunks.pop(rid, None)
-                self.req_events.append((t1, step, rid, "resumed", computed, None))
-            num_tokens = req.num_tokens if req is not None else computed + tokens
-            if resumed or computed + tokens < num_tokens or computed < num_tokens - 1:
-                rows.append((step, rid, tokens, "prefill", self._next_chunk(rid), computed, blocks,
-                             "resumed" if resumed else "running"))
-                prefill_tokens += tokens
-                prefill_reqs += 1
+        if ids:
+            resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
+            chunks = self.prefill_chunks
+            slow = resumed_ids  # rows that are prefills; every other cached request decodes
+            if chunks:
+                mid = [rid for rid in chunks if rid in num_sched]  # few: prompts being chunked
+                if mid:
+                    slow = set(resumed_ids).union(mid)
+            comps, new_ids = cached.num_computed_tokens, cached.new_block_ids
+            if slow:
+                keep = []
+                for i, rid in enumerate(ids):
+                    if rid not in slow:
+                        keep.append(i)
+                        continue
+                    req = requests.get(rid)
+                    tokens = num_sched[rid]
+                    computed = comps[i]
+                    nb = new_ids[i]
+                    resumed = rid in resumed_ids
+                    if resumed:
+                        num_resumed += 1
+                        chunks.pop(rid, None)
+                        events.append((t1, step, rid, "resumed", computed, None))
+                    chunk = self._prefill_chunk(step, rid, req, computed, tokens)
+                    rows.append((step, rid, tokens, "prefill", chunk, computed, len(nb[0]) if nb else 0,
+                                 "resumed" if resumed else "running"))
+                    prefill_tokens += tokens
+                    prefill_reqs += 1
+                d_ids = [ids[i] for i in keep]
+                d_comps = [comps[i] for i in keep]
+                d_new = [new_ids[i] for i in keep]
             else:
-                rows.append((step, rid, tokens, "decode", -1, computed, blocks, "running"))
+                d_ids, d_comps, d_new = list(ids), list(comps), new_ids
+            if d_ids:
+                # Every scheduled request has >= 1 token (prefill_tokens counts all the others): the
+                # decode rows' total says whether each has exactly 1, the usual case.
+                ones = out.total_num_scheduled_tokens - prefill_tokens == len(d_ids)
+                tokens_col = None if ones else list(map(num_sched.__getitem__, d_ids))
+                blocks_col = None if d_new.count(None) == len(d_new) else \
+                    [len(nb[0]) if nb else 0 for nb in d_new]
+                dec = self.decode_cols
+                dec.segs.append((step, d_ids, d_comps, tokens_col, blocks_col))
+                dec.rows += len(d_ids)
+                if dec.rows >= dec.FLUSH_ROWS or t1 - dec.since_ns >= dec.FLUSH_NS:
+                    dec.take(self.rec)
         total = out.total_num_scheduled_tokens
         decode_reqs = len(num_sched) - prefill_reqs
         pool = sched.kv_cache_manager.block_pool
@@ -283,9 +416,16 @@ class SchedulerProbe(Probe):
             cached_new,
         ]
 
-    def _next_chunk(self, rid: str) -> int:
-        chunk = self.prefill_chunks.get(rid, 0)
-        self.prefill_chunks[rid] = chunk + 1
+    def _prefill_chunk(self, step: int, rid: str, req: Any, computed: int, tokens: int) -> int:
+        """This prefill chunk's index; notes whether the request is still prefilling after it."""
+        chunks = self.prefill_chunks
+        chunk = chunks.get(rid, 0)
+        if req is not None and computed + tokens < req.num_tokens:
+            chunks[rid] = chunk + 1
+        else:  # the prompt (or the recompute) is complete: decode from the next step
+            chunks.pop(rid, None)
+            if rid in self.awaiting_first_token and req is not None:
+                self.first_token_due.setdefault(step, []).append((rid, req))
         return chunk
 
     def _admission_stop(self, sched: Any, total: int, budget: int, num_waiting: int) -> str:
@@ -310,19 +450,18 @@ class SchedulerProbe(Probe):
     def on_update(self, step: int, result: Any) -> None:
         t = _now()
         row = self.pending_steps.pop(step, None)
-        finished = 0
-        if result:
-            for eco in result.values():
-                for o in eco.outputs:
-                    rid = o.request_id
-                    if rid in self.awaiting_first_token and o.new_token_ids:
-                        self.awaiting_first_token.discard(rid)
-                        self.req_events.append((t, step, rid, "first_token", len(o.new_token_ids), None))
-                    if o.finish_reason is not None:
-                        finished += 1
+        due = self.first_token_due.pop(step, None)
+        if due:
+            awaiting = self.awaiting_first_token
+            for rid, req in due:
+                # Tokens the request holds after this update: it had none before this step.
+                n = req.num_output_tokens
+                if n and rid in awaiting:
+                    awaiting.discard(rid)
+                    self.req_events.append((t, step, rid, "first_token", n, None))
         if row is not None:
             row[3] = t
-            row[19] = finished
+            row[19] = self.finished_in_update
             self.steps.append(tuple(row))
 
     def on_add_request(self, sched: Any, request: Any) -> None:
@@ -332,12 +471,14 @@ class SchedulerProbe(Probe):
         self.req_events.append((arrival, ctx.step, rid, "arrival", request.num_prompt_tokens, None))
         self.req_events.append((t, ctx.step, rid, "queued", request.num_prompt_tokens, None))
         self.awaiting_first_token.add(rid)
+        if self.record_tokens:  # only when the user asked (--record-tokens)
+            self.token_rows.append((t, rid, "prompt", list(request.prompt_token_ids or ())))
 
     def on_preempt(self, request: Any, computed_before: int, blocks: int) -> None:
         t = _now()
         rid = request.request_id
         self.preempted_this_step += 1
-        self.prefill_chunks.pop(rid, None)
+        self.prefill_chunks.pop(rid, None)  # the recompute is a new prefill, from chunk 0
         self.preempts.append((t, ctx.step, rid, computed_before, blocks, request.num_output_tokens))
         self.req_events.append((t, ctx.step, rid, "preempted", computed_before, None))
 
@@ -346,11 +487,15 @@ class SchedulerProbe(Probe):
         rid = request.request_id
         reason = request.get_finished_reason()
         reason_name = str(reason).split(".")[-1].lower() if reason is not None else request.status.name
+        self.finished_in_update += 1
         self.awaiting_first_token.discard(rid)
         self.prefill_chunks.pop(rid, None)
         self.req_events.append((t, ctx.step, rid, "finished", request.num_output_tokens, reason_name))
-        # A connector may delay the free (request_finished returned True): the KV is held.
-        blocks = _block_ids(sched, rid)
+        if self.record_tokens:
+            self.token_rows.append((t, rid, "output", list(request.output_token_ids)))
+        # A connector may delay the free (request_finished returned True): the KV is held, and vLLM
+        # keeps the request until `_free_blocks` (a request freed at once is gone from `requests`).
+        blocks = _block_ids(sched, rid) if rid in sched.requests else None
         if blocks:
             self.held.add(rid)
             self.pins.append((t, ctx.step, "hold", rid, blocks, None, "connector-delay-free"))
@@ -364,6 +509,8 @@ class SchedulerProbe(Probe):
     def record_engine_config(self, sched: Any) -> None:
         self.config_recorded = True
         self.rec.role = "engine"
+        # Rows carry rank = dp_rank * 1000 + tp_rank (the scheduler is per DP rank, tp 0).
+        self.rec.rank = int(sched.vllm_config.parallel_config.data_parallel_rank or 0) * 1000
         cfg = sched.vllm_config
         sc, cc = cfg.scheduler_config, cfg.cache_config
         pc = cfg.parallel_config
@@ -388,9 +535,11 @@ class SchedulerProbe(Probe):
 
     def close(self) -> None:
         """Steps whose update_from_output never came (engine stopped) are kept, with no end time."""
-        for row in self.pending_steps.values():
+        for row in list(self.pending_steps.values()):
             self.steps.append(tuple(row))
         self.pending_steps.clear()
+        self.first_token_due.clear()
+        self.decode_cols.take(self.rec)
 
 
 def _block_ids(sched: Any, request_id: str) -> list[int]:

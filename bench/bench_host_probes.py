@@ -1,0 +1,198 @@
+"""Cost of the host probes (scheduler, kv_blocks, prefix_cache, connector) on vLLM's real scheduler.
+
+    python bench/bench_host_probes.py                  # the benchmark (~1 min on 2 cores)
+    python bench/bench_host_probes.py --profile on     # cProfile of one round with the probes on
+
+Drives vLLM's own `Scheduler` + `KVCacheManager` + `BlockPool` (tests/driven_scheduler.py: the VllmConfig
+of the tiny model, a real KVCacheConfig, requests hashed with the engine's block hasher) with made-up
+model outputs, so the step is scheduling only: the worst case for the probes' relative cost (a real step
+adds the forward pass). Workload: `--concurrency` (256) requests in flight at all times (a finished
+request is replaced at once) out of `--requests` in all; prompts come in 8 families sharing a long prefix
+(half of it shared by all families), so the prefix cache hits; the KV pool (`--num-blocks`) is small
+enough to preempt.
+
+Each round builds a fresh scheduler and runs the whole workload; rounds alternate probes off / on in one
+process (probes installed with a real `Recorder` writing Arrow shards to a temporary session, in the
+background, as in a recorded engine, and removed with `probe.uninstall()`). Prints steps/s per round,
+medians, the overhead, the rows recorded against what vLLM itself counted, drops, and a final table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.driven_scheduler import DrivenConfig, DrivenScheduler, shared_prefix_prompts  # noqa: E402
+
+TARGET_PCT = 3.0
+
+
+def host_probe_classes() -> list[type]:
+    from kvtrace.probes.connector import ConnectorProbe
+    from kvtrace.probes.kv_blocks import BlockPoolProbe, PrefixCacheProbe
+    from kvtrace.probes.scheduler import SchedulerProbe
+
+    return [SchedulerProbe, BlockPoolProbe, PrefixCacheProbe, ConnectorProbe]
+
+
+def install_probes(rec) -> list:
+    probes = []
+    for cls in host_probe_classes():
+        probe = cls(rec, rec.options)
+        if not probe.install():
+            raise SystemExit(f"probe {cls.name} did not install: {rec.info['probes'].get(cls.name)}")
+        probes.append(probe)
+    return probes
+
+
+def uninstall_probes(probes: list) -> None:
+    for probe in reversed(probes):
+        close = getattr(probe, "close", None)
+        if close is not None:
+            close()
+        probe.uninstall()
+
+
+class Counters:
+    """What vLLM itself says happened in a round (for the every-event-recorded check)."""
+
+    def __init__(self) -> None:
+        self.steps = self.scheduled = self.preemptions = self.finished = 0
+        self.lookups = self.queries = self.hits = 0
+
+    def add_stats(self, outputs) -> None:
+        for eco in outputs.values():
+            st = eco.scheduler_stats
+            if st is not None:
+                p = st.prefix_cache_stats
+                self.lookups += p.requests + p.preempted_requests
+                self.queries += p.queries + p.preempted_queries
+                self.hits += p.hits + p.preempted_hits
+
+
+def run_round(model: str, cfg: DrivenConfig, prompts: list[list[int]], concurrency: int,
+              max_tokens: int) -> tuple[float, Counters]:
+    """One whole workload on a fresh scheduler; returns (seconds spent stepping, counters)."""
+    d = DrivenScheduler(model, cfg)
+    c = Counters()
+    for i in range(concurrency):
+        d.add(f"r{i}", prompts[i], max_tokens)
+    nxt = concurrency
+    gc.collect()
+    t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+    while d.has_work():
+        out = d.step()
+        c.steps += 1
+        c.scheduled += len(out.num_scheduled_tokens)
+        c.preemptions += len(out.preempted_req_ids)
+        for eco in d.outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    c.finished += 1
+                    if nxt < len(prompts):
+                        d.add(f"r{nxt}", prompts[nxt], max_tokens)
+                        nxt += 1
+            if eco.scheduler_stats is not None:
+                p = eco.scheduler_stats.prefix_cache_stats
+                c.lookups += p.requests + p.preempted_requests
+                c.queries += p.queries + p.preempted_queries
+                c.hits += p.hits + p.preempted_hits
+    c.wall = time.perf_counter() - t0
+    c.cpu = time.process_time() - c0  # every thread of the process: the probes and the shard writer
+    c.main_cpu = time.thread_time() - m0  # the scheduler's thread only
+    return c.cpu, c
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5, help="measured rounds per mode (after one warm-up each)")
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--prefix-tokens", type=int, default=512, help="shared prefix per family (tokens)")
+    ap.add_argument("--suffix-tokens", type=int, default=64, help="own prompt tail per request (tokens)")
+    ap.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
+    ap.add_argument("--num-blocks", type=int, default=900, help="KV pool (blocks of 32 tokens)")
+    ap.add_argument("--profile", choices=("on", "off"), help="cProfile one round in this mode, then stop")
+    args = ap.parse_args(argv)
+
+    from kvtrace.model import ensure_tiny_model
+    from kvtrace.recorder import Recorder
+
+    model = str(ensure_tiny_model())
+    cfg = DrivenConfig(num_blocks=args.num_blocks, max_num_seqs=args.concurrency,
+                       max_num_batched_tokens=2048)
+    prompts = shared_prefix_prompts(args.requests, 8, args.prefix_tokens, args.suffix_tokens)
+    tmp = tempfile.TemporaryDirectory(prefix="kvtrace-bench-host-")
+    rec = Recorder(Path(tmp.name) / "session", "engine", {})
+
+    if args.profile:
+        import cProfile
+        import pstats
+
+        probes = install_probes(rec) if args.profile == "on" else []
+        prof = cProfile.Profile()
+        prof.enable()
+        run_round(model, cfg, prompts, args.concurrency, args.max_tokens)
+        prof.disable()
+        uninstall_probes(probes)
+        rec.close()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        return 0
+
+    results: dict[str, list[float]] = {"off": [], "on": []}
+    expected = Counters()
+    order = ["off", "on"] * (args.rounds + 1)
+    print(f"workload: {args.requests} requests, {args.concurrency} in flight, prefix {args.prefix_tokens} + "
+          f"{args.suffix_tokens} tokens, {args.max_tokens} out, pool {args.num_blocks} blocks of 32")
+    for i, mode in enumerate(order):
+        probes = install_probes(rec) if mode == "on" else []
+        seconds, c = run_round(model, cfg, prompts, args.concurrency, args.max_tokens)
+        uninstall_probes(probes)
+        warm = i < 2
+        rate = c.steps / seconds
+        print(f"  round {i // 2:2d} {mode:3s}: {c.steps} steps in {seconds:6.3f} s = {rate:7.1f} steps/s "
+              f"(preemptions {c.preemptions}, prefix hits {c.hits}/{c.queries} tokens)"
+              f"{'  [warm-up]' if warm else ''}")
+        if mode == "on":  # every on-round's rows are in the recorder, warm-up included
+            for k in vars(expected):
+                setattr(expected, k, getattr(expected, k) + getattr(c, k))
+        if not warm:
+            results[mode].append(rate)
+    rec.close()
+
+    off, on = statistics.median(results["off"]), statistics.median(results["on"])
+    overhead = (off - on) / off * 100
+    rows = rec.rows_written
+    drops = sum(n for per in rec.dropped.values() for n in per.values())
+    checks = [("steps", rows["steps"], expected.steps),
+              ("step_requests", rows["step_requests"], expected.scheduled),
+              ("preemptions", rows["preemptions"], expected.preemptions),
+              ("prefix_lookups", rows["prefix_lookups"], expected.lookups)]
+    print("\nrows recorded (all on-rounds) vs vLLM's own counts:")
+    for name, got, want in checks:
+        print(f"  {name:15s} {got:9d}  vLLM {want:9d}  {'ok' if got == want else 'MISMATCH'}")
+    print(f"  {'block_events':15s} {rows['block_events']:9d}")
+    print(f"  {'request_events':15s} {rows['request_events']:9d}")
+    print(f"  drops: {drops}")
+
+    print("\n| probes | steps/s (median of %d) | overhead | rows recorded | drops |" % args.rounds)
+    print("|---|---|---|---|---|")
+    print(f"| off | {off:.1f} | - | - | - |")
+    print(f"| on  | {on:.1f} | {overhead:+.1f}% | {sum(rows.values())} | {drops} |")
+    ok = overhead <= TARGET_PCT and drops == 0 and all(g == w for _, g, w in checks)
+    print(f"\ntarget <= {TARGET_PCT}% overhead, 0 drops, every event recorded: {'MET' if ok else 'MISSED'}")
+    tmp.cleanup()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
