@@ -35,10 +35,13 @@ from tests.reliability_util import (
     workload_cmd,
 )
 
-TMPFS_BYTES = 2 << 20
-FREE_BYTES = 320 << 10
+TMPFS_BYTES = 4 << 20
+# Room for ~1 s of this run's rows on a fast machine: every process writes (at --flush-interval 0.1) several
+# times before the worker's kv_access rows fill the disk, on a slow machine too (CI failed with 320 KiB:
+# the worker's first flush filled it before the engine core had written a single step).
+FREE_BYTES = 1 << 20
 FSIZE_BYTES = 256 << 10
-JOBS, TURNS, REPEAT = 4, 2, 3
+JOBS, TURNS, REPEAT = 4, 2, 8
 
 
 def can_mount(where) -> bool:
@@ -68,7 +71,7 @@ def full_disk(tiny_model, tmp_path_factory):
         session = tmp / "s"
         cmd = ["prlimit", f"--fsize={FSIZE_BYTES}", "--", *cmd]
     # Lots of rows (KV accesses of every layer) so the disk fills while vLLM still has work to do.
-    rec = start_record(session, cmd, ["--kv-granularity", "blocks", "--kv-layers", "all"], log_dir=tmp)
+    rec = start_record(session, cmd, ["--kv-granularity", "blocks", "--kv-layers", "all", "--flush-interval", "0.1"], log_dir=tmp)
     try:
         wait_until(lambda: "stopped recording" in rec.stderr, STARTUP_S, "a writer to stop", rec)
         stopped_at = time.monotonic()
