@@ -10,9 +10,12 @@ Attribution: `get_new_blocks` and `touch` are called by the per-group managers
 ...)`, ...), which name the request in their `request_id` argument: the wrapper reads it from the
 calling frame (a few frames up at most), so only pool calls pay for attribution. Wrapping
 `KVCacheManager.allocate_slots` instead, as this probe first did, cost every running request a wrapper
-call every step (~0.4 us each, ~4% of a 256-request scheduling step; bench/bench_host_probes.py).
-`free_blocks` is attributed the same way (`SingleTypeKVCacheManager.free(request_id)`); frees with no
-request behind them (deferred frees, copy-on-write retentions) get none.
+call every step (bench/bench_host_probes.py). `free_blocks` is attributed the same way
+(`SingleTypeKVCacheManager.free(request_id)`); frees with no request behind them (deferred frees,
+copy-on-write retentions) get none.
+
+Cost: the pool methods are wrapped by `exact_wrapper` (the original's own parameter list, so CPython
+keeps specialised calls), rows hold tuples made by C-level maps, and hashes are converted with struct.
 
 `prefix_cache` patches `KVCacheManager.get_computed_blocks` (the lookup) and
 `KVCacheManager.record_prefix_cache_stats` (vLLM counts a lookup there, at admission): a lookup row is
@@ -21,8 +24,10 @@ written when vLLM counts it, so our totals equal vLLM's `prefix_cache_queries` /
 
 from __future__ import annotations
 
+import struct
 import sys
 import time
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from kvtrace.probes.base import Probe
@@ -33,6 +38,16 @@ _frame = sys._getframe
 POOL = "vllm.v1.core.block_pool"
 KVM = "vllm.v1.core.kv_cache_manager"
 STM = "vllm.v1.core.single_type_kv_cache_manager"
+
+
+# id(code object) -> (code, name of its request argument: "request_id", "request" or ""). Keyed by id:
+# hashing a code object hashes its constants and names, every time (~3,000 instructions).
+_REQUEST_ARG: dict = {}
+
+
+def _request_arg(code: Any) -> str:
+    args = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return "request_id" if "request_id" in args else "request" if "request" in args else ""
 
 
 def caller_request_id(depth: int = 2, up: int = 3) -> str | None:
@@ -47,15 +62,16 @@ def caller_request_id(depth: int = 2, up: int = 3) -> str | None:
         return ctx.request_id
     while f is not None and up > 0:
         code = f.f_code
-        args = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-        if "request_id" in args:  # checked on the code object first: f_locals costs ~0.5 us
-            rid = f.f_locals.get("request_id")
-            if isinstance(rid, str):
-                return rid
-        elif "request" in args:
-            rid = getattr(f.f_locals.get("request"), "request_id", None)
-            if isinstance(rid, str):
-                return rid
+        entry = _REQUEST_ARG.get(id(code))
+        if entry is None or entry[0] is not code:
+            entry = _REQUEST_ARG[id(code)] = (code, _request_arg(code))
+        arg = entry[1]
+        if arg:
+            value = f.f_locals.get(arg)  # f_locals costs ~0.5 us: only where the argument exists
+            if arg == "request":
+                value = getattr(value, "request_id", None)
+            if isinstance(value, str):
+                return value
         f = f.f_back
         up -= 1
     return ctx.request_id
@@ -68,6 +84,143 @@ def hash64(block_hash: Any) -> int | None:
     if isinstance(block_hash, (bytes, bytearray)):
         return int.from_bytes(block_hash[:8], "little", signed=True)
     return hash(block_hash)  # older vLLM: a tuple-like BlockHash
+
+
+_block_id = attrgetter("block_id")
+_block_hash = attrgetter("block_hash")
+_first, _second = itemgetter(0), itemgetter(1)
+_int64_le = struct.Struct("<q").unpack_from
+
+
+def hashes64(keys: Any) -> tuple:
+    """`hash64` of each hash, in C-level maps (the usual bytes hashes)."""
+    keys = tuple(keys)
+    try:
+        return tuple(map(_first, map(_int64_le, keys)))
+    except (TypeError, struct.error):  # None, or a hash that is not bytes (older vLLM)
+        return tuple(map(hash64, keys))
+
+
+def block_ids(pool: Any, blocks: Any) -> tuple:
+    """Ids of `blocks` without the null block (never really allocated, touched or freed)."""
+    ids = tuple(map(_block_id, blocks))
+    null = pool.null_block.block_id
+    return tuple(i for i in ids if i != null) if null in ids else ids
+
+
+def exact_wrapper(orig: Any, body: str, env: dict) -> Any:
+    """A wrapper of `orig` with orig's own parameter list instead of `*args, **kwargs`.
+
+    CPython (3.11+) specialises calls of plain Python functions with fixed parameters: vLLM's call into
+    the wrapper and the wrapper's call of the original stay "inlined" Python calls. A `*args, **kwargs`
+    wrapper makes both generic (argument tuple and dict, C-level recursion): measured with callgrind,
+    ~7,000 instructions per call against ~1,000, for block-pool methods called thousands of times a
+    second. `body` is the wrapper's code (it may name orig's parameters, which `targets()` checks);
+    `{call}` in it becomes the call of the original forwarding every parameter as declared (keyword-only
+    ones by name, `*args` / `**kwargs` when orig has them), `{self}` the first parameter's name.
+    """
+    import inspect
+
+    sig = inspect.signature(orig)
+    params: list[str] = []
+    call: list[str] = []
+    ns = dict(env)
+    ns["__orig"] = orig
+    star = False
+    for i, p in enumerate(sig.parameters.values()):
+        text = p.name
+        if p.default is not inspect.Parameter.empty:
+            ns[f"__d{i}"] = p.default
+            text += f"=__d{i}"
+        if p.kind is p.VAR_POSITIONAL:
+            params.append(f"*{p.name}")
+            call.append(f"*{p.name}")
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            params.append(f"**{p.name}")
+            call.append(f"**{p.name}")
+        elif p.kind is p.KEYWORD_ONLY:
+            if not star:
+                params.append("*")
+                star = True
+            params.append(text)
+            call.append(f"{p.name}={p.name}")
+        else:
+            params.append(text)
+            call.append(p.name)
+    first = next(iter(sig.parameters), "self")
+    src = f"def wrapper({', '.join(params)}):" + body.replace("{call}", f"__orig({', '.join(call)})").replace(
+        "{self}", first)
+    exec(compile(src, f"<kvtrace wrapper of {getattr(orig, '__qualname__', orig)}>", "exec"), ns)
+    wrapper = ns["wrapper"]
+    wrapper.__name__ = getattr(orig, "__name__", "wrapper")
+    wrapper.__qualname__ = getattr(orig, "__qualname__", wrapper.__name__)
+    return wrapper
+
+
+class BlockColumns:
+    """`block_events` rows kept as columns (block ids and hashes flattened, with end offsets) until
+    `take()` hands them to the recorder as one RecordBatch.
+
+    A row is a handful of list appends: no tuple per row (tuples of tuples stay tracked by the garbage
+    collector until its next pass and made ~1/4 of this probe's cost), and the Arrow conversion is done
+    in bulk from flat lists instead of by the writer from nested tuples. `take()` swaps the object
+    first and keeps only rows complete in every column, so a take from another thread (the
+    recorder's flush on SIGUSR2, just before the process ends) never writes a torn row.
+    """
+
+    __slots__ = ("ts", "step", "event", "group", "rid", "ids", "ids_end", "hashes", "hashes_end", "hashed",
+                 "since_ns")
+    FLUSH_ROWS = 8192
+    FLUSH_NS = 250_000_000  # hand the rows to the recorder at least this often (monotonic ns)
+
+    def __init__(self) -> None:
+        self.ts: list[int] = []
+        self.step: list[int] = []
+        self.event: list[str] = []
+        self.group: list[int] = []
+        self.rid: list[str | None] = []
+        self.ids: list[int] = []
+        self.ids_end: list[int] = []
+        self.hashes: list[int] = []
+        self.hashes_end: list[int] = []
+        self.hashed: list[bool] = []
+        self.since_ns = _now()
+
+    def add(self, t: int, event: str, group: int, rid: str | None, ids: Any, hashes: Any = None) -> bool:
+        """Append a row; True when it is time to `take()`."""
+        self.ts.append(t)
+        self.step.append(ctx.step)
+        self.event.append(event)
+        self.group.append(group)
+        self.rid.append(rid)
+        self.ids.extend(ids)
+        self.ids_end.append(len(self.ids))
+        if hashes is not None:
+            self.hashes.extend(hashes)
+        self.hashes_end.append(len(self.hashes))
+        self.hashed.append(hashes is not None)
+        return len(self.ts) >= self.FLUSH_ROWS or t - self.since_ns >= self.FLUSH_NS
+
+    def to_columns(self) -> dict | None:
+        n = min(len(self.ts), len(self.step), len(self.event), len(self.group), len(self.rid),
+                len(self.ids_end), len(self.hashes_end), len(self.hashed))
+        if not n:
+            return None
+        import numpy as np
+        import pyarrow as pa
+
+        ids_end, hashes_end = self.ids_end[:n], self.hashes_end[:n]
+        ids = pa.array(self.ids[:ids_end[-1]], type=pa.int32())
+        hashes = pa.array(self.hashes[:hashes_end[-1]], type=pa.int64())
+        no_hashes = pa.array(np.logical_not(np.array(self.hashed[:n], dtype=bool)))
+        return {
+            "ts_ns": self.ts[:n], "step": self.step[:n], "event": self.event[:n], "kv_group": self.group[:n],
+            "request_id": self.rid[:n],
+            "block_ids": pa.ListArray.from_arrays(pa.array([0, *ids_end], type=pa.int32()), ids),
+            "block_hashes": pa.ListArray.from_arrays(pa.array([0, *hashes_end], type=pa.int32()), hashes,
+                                                     mask=no_hashes),
+        }
 
 
 class BlockPoolProbe(Probe):
@@ -90,92 +243,127 @@ class BlockPoolProbe(Probe):
     def install_patches(self) -> None:
         from vllm.v1.core.block_pool import BlockPool
 
-        out = self.rec.buffer("block_events")
         probe = self
-        evicted: list | None = None  # collects evictions made inside one get_new_blocks call
+        self.cols = BlockColumns()
+        inject = self.options.get("inject_fault") == self.name
+        evicted: list = []  # (block id, hash) of the evictions inside the current get_new_blocks call
+        in_alloc = [False]
 
-        def get_new_blocks(orig):
-            def wrapper(pool, num_blocks, *args, **kwargs):
-                nonlocal evicted
-                if not probe.enabled:
-                    return orig(pool, num_blocks, *args, **kwargs)
-                evicted = []
-                try:
-                    blocks = orig(pool, num_blocks, *args, **kwargs)
-                    got, evicted = evicted, None
-                except BaseException:
-                    evicted = None
-                    raise
-                try:
-                    probe.maybe_inject_fault()
-                    t = _now()
-                    rid = caller_request_id()
-                    if got:
-                        out.append((t, ctx.step, "evict", 0, rid, [b for b, _ in got], [h for _, h in got]))
-                    out.append((t, ctx.step, "alloc", 0, rid, [b.block_id for b in blocks], None))
-                except Exception as exc:
-                    probe.fail(exc)
-                return blocks
-            return wrapper
+        def on_alloc(pool: Any, blocks: Any) -> None:
+            if inject:
+                probe.maybe_inject_fault()
+            t = _now()
+            rid = caller_request_id(3)
+            cols = probe.cols
+            full = False
+            if evicted:
+                got = evicted[:]
+                evicted.clear()
+                full = cols.add(t, "evict", 0, rid, map(_first, got), hashes64(map(_second, got)))
+            if blocks:
+                full = cols.add(t, "alloc", 0, rid, map(_block_id, blocks))
+            if full:
+                probe.take()
 
-        def maybe_evict(orig):  # once per block handed out: keep it lean
-            def wrapper(pool, block, *args, **kwargs):
-                if not probe.enabled:
-                    return orig(pool, block, *args, **kwargs)
-                key = block.block_hash
-                done = orig(pool, block, *args, **kwargs) if args or kwargs else orig(pool, block)
-                if done:
-                    h = hash64(key)
-                    if evicted is not None:
-                        evicted.append((block.block_id, h))
-                    else:  # eviction outside allocation (evict_blocks, reset_prefix_cache)
-                        out.append((_now(), ctx.step, "evict", 0, caller_request_id(), [block.block_id], [h]))
-                return done
-            return wrapper
+        def on_evict(block: Any, key: Any) -> None:
+            if in_alloc[0]:
+                evicted.append((block.block_id, key))
+            elif probe.cols.add(_now(), "evict", 0, caller_request_id(3), (block.block_id,), (hash64(key),)):
+                probe.take()  # an eviction outside allocation (evict_blocks)
 
-        def free_blocks(orig):
-            def wrapper(pool, ordered_blocks, *args, **kwargs):
-                if not probe.enabled:
-                    return orig(pool, ordered_blocks, *args, **kwargs)
-                blocks = list(ordered_blocks)  # may be a one-shot iterator: read it once, pass the list
-                result = orig(pool, blocks, *args, **kwargs)
-                ids = [b.block_id for b in blocks if not b.is_null]
-                if ids:
-                    out.append((_now(), ctx.step, "free", 0, caller_request_id(), ids, None))
-                return result
-            return wrapper
+        def on_free(pool: Any, blocks: Any) -> None:
+            ids = block_ids(pool, blocks)
+            if ids and probe.cols.add(_now(), "free", 0, caller_request_id(3), ids):
+                probe.take()
 
-        def touch(orig):
-            def wrapper(pool, blocks, *args, **kwargs):
-                result = orig(pool, blocks, *args, **kwargs)
-                if probe.enabled:
-                    ids = [b.block_id for b in blocks if not b.is_null]
-                    if ids:
-                        out.append((_now(), ctx.step, "touch", 0, caller_request_id(), ids, None))
-                return result
-            return wrapper
+        def on_touch(pool: Any, blocks: Any) -> None:
+            ids = block_ids(pool, blocks)
+            if ids and probe.cols.add(_now(), "touch", 0, caller_request_id(3), ids):
+                probe.take()
 
-        def cache_full_blocks(orig):
-            def wrapper(pool, request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs):
-                result = orig(pool, request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
-                if probe.enabled and num_full_blocks > num_cached_blocks:
-                    try:
-                        group = kwargs.get("kv_cache_group_id", args[1] if len(args) > 1 else 0)
-                        new = [b for b in blocks[num_cached_blocks:num_full_blocks]
-                               if not b.is_null and b.block_hash is not None]
-                        if new:
-                            out.append((_now(), ctx.step, "cache", group, request.request_id,
-                                        [b.block_id for b in new], [hash64(b.block_hash) for b in new]))
-                    except Exception as exc:
-                        probe.fail(exc)
-                return result
-            return wrapper
+        def on_cache(request: Any, blocks: Any, num_cached: int, num_full: int, group: int) -> None:
+            new = blocks[num_cached:num_full]
+            keys = tuple(map(_block_hash, new))
+            if None in keys:  # null or masked-out blocks were not cached
+                new = [b for b, k in zip(new, keys) if k is not None]
+                keys = tuple(k for k in keys if k is not None)
+            if keys and probe.cols.add(_now(), "cache", group, request.request_id, map(_block_id, new),
+                                       hashes64(keys)):
+                probe.take()
 
-        self.patch(BlockPool, "get_new_blocks", get_new_blocks)
-        self.patch(BlockPool, "_maybe_evict_cached_block", maybe_evict)
-        self.patch(BlockPool, "free_blocks", free_blocks)
-        self.patch(BlockPool, "touch", touch)
-        self.patch(BlockPool, "cache_full_blocks", cache_full_blocks)
+        env = {"probe": probe, "on_alloc": on_alloc, "on_evict": on_evict, "on_free": on_free,
+               "on_touch": on_touch, "on_cache": on_cache, "in_alloc": in_alloc, "evicted": evicted}
+        # Each body names vLLM's own parameters (checked by `targets()`); `{call}` calls the original.
+        bodies = {
+            "get_new_blocks": """
+    if not probe.enabled:
+        return {call}
+    in_alloc[0] = True
+    evicted.clear()
+    try:
+        blocks = {call}
+    finally:
+        in_alloc[0] = False
+    try:
+        on_alloc({self}, blocks)
+    except Exception as exc:
+        probe.fail(exc)
+    return blocks""",
+            "_maybe_evict_cached_block": """
+    if not probe.enabled:
+        return {call}
+    key = block.block_hash
+    done = {call}
+    if done:
+        try:
+            on_evict(block, key)
+        except Exception as exc:
+            probe.fail(exc)
+    return done""",
+            "free_blocks": """
+    if not probe.enabled:
+        return {call}
+    ordered_blocks = list(ordered_blocks)  # may be a one-shot iterator: read it once, pass the list
+    result = {call}
+    try:
+        on_free({self}, ordered_blocks)
+    except Exception as exc:
+        probe.fail(exc)
+    return result""",
+            "touch": """
+    result = {call}
+    if probe.enabled:
+        try:
+            on_touch({self}, blocks)
+        except Exception as exc:
+            probe.fail(exc)
+    return result""",
+            "cache_full_blocks": """
+    result = {call}
+    if probe.enabled and num_full_blocks > num_cached_blocks:
+        try:
+            on_cache(request, blocks, num_cached_blocks, num_full_blocks, kv_cache_group_id)
+        except Exception as exc:
+            probe.fail(exc)
+    return result""",
+        }
+        for name, body in bodies.items():
+            self.patch(BlockPool, name, lambda orig, body=body: exact_wrapper(orig, body, env))
+
+    def take(self) -> None:
+        """Hand the rows gathered so far to the recorder (one RecordBatch)."""
+        cols, self.cols = self.cols, BlockColumns()
+        batch = cols.to_columns()
+        if batch is not None:
+            self.rec.append_columns("block_events", batch)
+
+    def close(self) -> None:
+        if getattr(self, "cols", None) is not None:
+            self.take()
+
+    def uninstall(self) -> None:
+        self.close()  # rows still held as columns would be lost otherwise
+        super().uninstall()
 
 
 class PrefixCacheProbe(Probe):
@@ -196,30 +384,37 @@ class PrefixCacheProbe(Probe):
         external: dict[str, int] = {}  # request -> tokens a connector matched (set by the connector probe)
         self.external_matches = external
 
-        def get_computed_blocks(orig):
-            def wrapper(kvm, request, *args, **kwargs):
-                result = orig(kvm, request, *args, **kwargs)
-                if probe.enabled:
-                    blocks = result[0]
-                    groups = blocks.blocks if hasattr(blocks, "blocks") else blocks
-                    last_lookup[request.request_id] = (_now(), len(groups[0]) if groups else 0)
-                return result
-            return wrapper
+        def on_lookup(request: Any, result: Any) -> None:
+            blocks = result[0]
+            groups = blocks.blocks if hasattr(blocks, "blocks") else blocks
+            last_lookup[request.request_id] = (_now(), len(groups[0]) if groups else 0)
 
-        def record_stats(orig):
-            def wrapper(kvm, request, num_hits, *args, **kwargs):
-                result = orig(kvm, request, num_hits, *args, **kwargs)
-                if probe.enabled and kvm.prefix_cache_lookup_enabled(request):
-                    try:
-                        probe.maybe_inject_fault()
-                        probe.on_counted_lookup(kvm, request, num_hits, last_lookup, external, out)
-                    except Exception as exc:
-                        probe.fail(exc)
-                return result
-            return wrapper
+        def on_counted(kvm: Any, request: Any, num_hits: int) -> None:
+            if kvm.prefix_cache_lookup_enabled(request):
+                probe.maybe_inject_fault()
+                probe.on_counted_lookup(kvm, request, num_hits, last_lookup, external, out)
 
-        self.patch(KVCacheManager, "get_computed_blocks", get_computed_blocks)
-        self.patch(KVCacheManager, "record_prefix_cache_stats", record_stats)
+        env = {"probe": probe, "on_lookup": on_lookup, "on_counted": on_counted}
+        bodies = {
+            "get_computed_blocks": """
+    result = {call}
+    if probe.enabled:
+        try:
+            on_lookup(request, result)
+        except Exception as exc:
+            probe.fail(exc)
+    return result""",
+            "record_prefix_cache_stats": """
+    result = {call}
+    if probe.enabled:
+        try:
+            on_counted({self}, request, num_hits)
+        except Exception as exc:
+            probe.fail(exc)
+    return result""",
+        }
+        for name, body in bodies.items():
+            self.patch(KVCacheManager, name, lambda orig, body=body: exact_wrapper(orig, body, env))
 
     @staticmethod
     def on_counted_lookup(kvm, request, num_hits, last_lookup, external, out) -> None:
@@ -231,7 +426,7 @@ class PrefixCacheProbe(Probe):
         full = len(hashes)
         query = request.num_tokens
         tail = query - full * hash_block
-        missed = [hash64(h) for h in hashes[num_hits // hash_block:]]
+        missed = list(hashes64(hashes[num_hits // hash_block:]))
         ext = external.pop(rid, None)
         out.append((ts, ctx.step, rid, query, num_hits, hit_blocks, full, tail, missed, ext,
                     1 if request.num_preemptions > 0 else 0))

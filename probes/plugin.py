@@ -63,6 +63,18 @@ def close_probes() -> None:
                 pass
 
 
+def take_pending() -> None:
+    """Let probes that hold rows as columns (`take()`) hand them to the recorder now; cheap, on the
+    scheduler's thread (the one that appends them), so no row is torn or lost to a race."""
+    for probe in _installed:
+        take = getattr(probe, "take", None)
+        if take is not None:
+            try:
+                take()
+            except Exception:
+                pass
+
+
 def close_all() -> None:
     """Finish this process's recording now (the engine is shutting down)."""
     close_probes()

@@ -179,6 +179,12 @@ class SchedulerProbe(Probe):
                 try:
                     probe.nvtx_close(keep_step=False)
                     probe.on_update(step, result)
+                    if not sched.has_requests():
+                        # The engine goes idle (it blocks on its input queue next): rows held as
+                        # columns would otherwise wait there for the next request, or be lost to a kill.
+                        from kvtrace.probes.plugin import take_pending
+
+                        take_pending()
                 except Exception as exc:
                     probe.fail(exc)
                 return result
@@ -486,7 +492,11 @@ class SchedulerProbe(Probe):
         t = _now()
         rid = request.request_id
         reason = request.get_finished_reason()
-        reason_name = str(reason).split(".")[-1].lower() if reason is not None else request.status.name
+        reason_name = _REASON_NAMES.get(reason)
+        if reason_name is None:
+            reason_name = str(reason).split(".")[-1].lower() if reason is not None else request.status.name
+            if reason is not None:
+                _REASON_NAMES[reason] = reason_name
         self.finished_in_update += 1
         self.awaiting_first_token.discard(rid)
         self.prefill_chunks.pop(rid, None)
@@ -533,6 +543,10 @@ class SchedulerProbe(Probe):
             "scheduler_cls": str(getattr(sc, "scheduler_cls", None)),
         }
 
+    def take(self) -> None:
+        """Hand the decode rows held as columns to the recorder (called when the engine goes idle)."""
+        self.decode_cols.take(self.rec)
+
     def close(self) -> None:
         """Steps whose update_from_output never came (engine stopped) are kept, with no end time."""
         for row in list(self.pending_steps.values()):
@@ -540,6 +554,9 @@ class SchedulerProbe(Probe):
         self.pending_steps.clear()
         self.first_token_due.clear()
         self.decode_cols.take(self.rec)
+
+
+_REASON_NAMES: dict = {}  # vLLM FinishReason -> our name ("stop", "length", ...), made once per reason
 
 
 def _block_ids(sched: Any, request_id: str) -> list[int]:

@@ -62,7 +62,7 @@ def vllm_config(model: str, cfg: DrivenConfig):
 class DrivenScheduler:
     """One Scheduler + KV cache manager; `add()` requests, `step()` to run one engine step."""
 
-    def __init__(self, model: str, cfg: DrivenConfig | None = None):
+    def __init__(self, model: str, cfg: DrivenConfig | None = None, keep_stats: bool = False):
         import torch
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -86,8 +86,20 @@ class DrivenScheduler:
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(cfg.block_size, hash_fn)
-        self.outputs: list[Any] = []  # EngineCoreOutputs of the last step, by client
+        self.outputs: Any = {}  # EngineCoreOutputs of the last step, by client
         self.steps = 0
+        # What vLLM itself reported, when asked for (keep_stats): SchedulerStats of every step and the
+        # KV event batches its publisher got (with kv_events_config).
+        self.stats: list[Any] | None = [] if keep_stats else None
+        self.kv_event_batches: list[Any] = []
+        if keep_stats and self.sched.kv_event_publisher is not None:
+            publish = self.sched.kv_event_publisher.publish
+
+            def keep(batch: Any) -> None:
+                self.kv_event_batches.append(batch)
+                publish(batch)
+
+            self.sched.kv_event_publisher.publish = keep
 
     # ---- requests -----------------------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], max_tokens: int) -> Any:
@@ -115,7 +127,14 @@ class DrivenScheduler:
                                 sampled_token_ids=sampled)
         self.outputs = sched.update_from_output(out, mro)
         self.steps += 1
+        if self.stats is not None:
+            self.stats.extend(eco.scheduler_stats for eco in self.outputs.values()
+                              if eco.scheduler_stats is not None)
         return out
+
+    def eviction_events(self) -> list[Any]:
+        """vLLM's KVCacheEvictionEvents (kv_cache_metrics) of every step so far, in order."""
+        return [e for st in self.stats or () for e in st.kv_cache_eviction_events]
 
     def has_work(self) -> bool:
         return self.sched.has_requests()
@@ -137,3 +156,83 @@ def shared_prefix_prompts(n: int, groups: int, prefix_tokens: int, suffix_tokens
     fams = [system + [rng.randrange(VOCAB) for _ in range(prefix_tokens - len(system))]
             for _ in range(groups)]
     return [fams[i % groups] + [rng.randrange(VOCAB) for _ in range(suffix_tokens)] for i in range(n)]
+
+
+# ---- recording a driven scheduler with the host probes -----------------------------------------------
+HOST_PROBES = ("scheduler", "kv_blocks", "prefix_cache", "connector")
+
+
+def host_probe_classes() -> list[type]:
+    from kvtrace.probes.connector import ConnectorProbe
+    from kvtrace.probes.kv_blocks import BlockPoolProbe, PrefixCacheProbe
+    from kvtrace.probes.scheduler import SchedulerProbe
+
+    return [SchedulerProbe, BlockPoolProbe, PrefixCacheProbe, ConnectorProbe]
+
+
+def install_probes(rec: Any, names: tuple[str, ...] = HOST_PROBES) -> list:
+    """Install the host probes (as the plugin would, in the EngineCore) on `rec`; all must attach.
+    They are registered with the plugin as in an engine, so `take_pending()` reaches them."""
+    from kvtrace.probes import plugin
+
+    probes = []
+    for cls in host_probe_classes():
+        if cls.name not in names:
+            continue
+        probe = cls(rec, rec.options)
+        if not probe.install():
+            uninstall_probes(probes)
+            raise RuntimeError(f"probe {cls.name} did not install: {rec.info['probes'].get(cls.name)}")
+        probes.append(probe)
+        plugin._installed.append(probe)
+    return probes
+
+
+def uninstall_probes(probes: list) -> None:
+    """Flush what the probes hold (pending steps, decode rows), then restore every patched target."""
+    from kvtrace.probes import plugin
+
+    for probe in reversed(probes):
+        if probe in plugin._installed:
+            plugin._installed.remove(probe)
+        close = getattr(probe, "close", None)
+        if close is not None:
+            close()
+        probe.uninstall()
+
+
+def record_driven(session_dir: Any, model: str, cfg: DrivenConfig, scenario: Any,
+                  names: tuple[str, ...] = HOST_PROBES, keep_stats: bool = False) -> Any:
+    """Run `scenario(driven)` on a fresh DrivenScheduler with the probes recording to `session_dir`
+    (a session without manifest, as the probes alone write it); returns the scenario's result."""
+    from pathlib import Path
+
+    from kvtrace.recorder import Recorder
+
+    from kvtrace.probes.context import ctx
+
+    rec = Recorder(Path(session_dir), "engine", {})
+    d = DrivenScheduler(model, cfg, keep_stats=keep_stats)
+    ctx.step, ctx.request_id = 0, None  # a fresh engine: no step scheduled yet (ctx is per process)
+    probes = install_probes(rec, names)
+    try:
+        result = scenario(d)
+    finally:
+        uninstall_probes(probes)
+        rec.close()
+    return result
+
+
+def read_rows(session_dir: Any, table: str) -> list[dict]:
+    """Every row of `table` as the probes recorded it (shard order, before ingest unnests anything)."""
+    from pathlib import Path
+
+    from kvtrace.ingest.shards import ShardRead, list_shards, read_shard
+
+    rows: list[dict] = []
+    for proc in sorted((Path(session_dir) / "procs").iterdir()):
+        for shard in list_shards(proc):
+            if shard.table == table:
+                for batch in read_shard(shard, ShardRead()):
+                    rows.extend(batch.to_pylist())
+    return rows
