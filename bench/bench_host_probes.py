@@ -42,6 +42,7 @@ if str(REPO) not in sys.path:
 
 from tests.driven_scheduler import (  # noqa: E402
     DrivenConfig,
+    HOST_PROBES,
     DrivenScheduler,
     install_probes,
     shared_prefix_prompts,
@@ -103,11 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
     ap.add_argument("--num-blocks", type=int, default=900, help="KV pool (blocks of 32 tokens)")
     ap.add_argument("--profile", choices=("on", "off"), help="cProfile one round in this mode, then stop")
+    ap.add_argument("--probes", default=",".join(HOST_PROBES),
+                    help="which host probes the on-rounds install (comma-separated; to attribute the cost)")
     args = ap.parse_args(argv)
 
     from kvtrace.model import ensure_tiny_model
     from kvtrace.recorder import Recorder
 
+    names = tuple(n for n in args.probes.split(",") if n)
     model = str(ensure_tiny_model())
     cfg = DrivenConfig(num_blocks=args.num_blocks, max_num_seqs=args.concurrency,
                        max_num_batched_tokens=2048)
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         import cProfile
         import pstats
 
-        probes = install_probes(rec) if args.profile == "on" else []
+        probes = install_probes(rec, names) if args.profile == "on" else []
         prof = cProfile.Profile()
         prof.enable()
         run_round(model, cfg, prompts, args.concurrency, args.max_tokens)
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.suffix_tokens} tokens, {args.max_tokens} out, pool {args.num_blocks} blocks of 32; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for i, mode in enumerate(order):
-        probes = install_probes(rec) if mode == "on" else []
+        probes = install_probes(rec, names) if mode == "on" else []
         _, c = run_round(model, cfg, prompts, args.concurrency, args.max_tokens)
         uninstall_probes(probes)
         warm = i < 2

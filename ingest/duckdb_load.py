@@ -143,6 +143,22 @@ def table_ddl(table: str) -> str:
 
 
 def create_tables(con: duckdb.DuckDBPyConnection) -> None:
+    """Every kvtrace table and view (IF NOT EXISTS), in one transaction: DuckDB commits each DDL
+    statement on its own otherwise, and ~100 commits cost ~0.8 s on a database file."""
+    try:
+        con.execute("BEGIN TRANSACTION")
+    except duckdb.TransactionException:  # the caller's transaction: its COMMIT covers these too
+        _create_tables(con)
+        return
+    try:
+        _create_tables(con)
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+
+
+def _create_tables(con: duckdb.DuckDBPyConnection) -> None:
     for table in schema.TABLES:
         con.execute(table_ddl(table))
     for table, cols in SESSION_TABLES.items():
