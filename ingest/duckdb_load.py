@@ -80,7 +80,7 @@ DERIVED_MEANINGS = {
         "stopped_reason": "why the process stopped writing (writer-error, max-size), or null"},
     "probes": {
         "session": "session id", "pid": "OS process id", "role": "the process's role",
-        "probe": "probe name", "status": "attached, off, or why not (disabled, failed, ...)",
+        "probe": "probe name", "status": "attached, off, unused (its vLLM module never loaded in this process), or why not (disabled, failed, ...)",
         "reason": "the detail, when not attached"},
     "ingest_issues": {
         "session": "session id", "file": "the shard", "problem": "what ingest found (a cut batch, ...)",

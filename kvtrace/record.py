@@ -183,15 +183,36 @@ def request_flush(session_dir: Path, timeout_s: float = 2.0, pgid: int | None = 
 def _wait_group_exit(pgid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        if not _group_running(pgid):
             return
-        except PermissionError:
-            return
-        time.sleep(0.1)
+        time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)  # stragglers past the grace period
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. Zombies do not count: a process orphaned by the
+    command's exit (multiprocessing's resource tracker, vLLM's engine) is reaped by init, which in a
+    container can take seconds after it has finished, and the recording was closed long before."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True  # no /proc: the signal test is all there is
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)", which may hold spaces
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 @contextlib.contextmanager

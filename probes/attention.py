@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from kvtrace.probes.base import Probe
+from kvtrace.probes.base import Probe, TargetMissing, check_params, resolve
 
 ATTN = "vllm.model_executor.layers.attention.attention"
 MLA = "vllm.model_executor.layers.attention.mla_attention"
@@ -53,16 +53,20 @@ def layer_index(layer_name: str, cache: dict[str, int]) -> int:
 class AttentionProbe(Probe):
     name = "attention"
 
+    # The model runner is patched when its module is imported (probes/imports.py), not at install:
+    # importing it costs ~0.6 s, and only worker processes ever load it.
+    RUNNER_TARGET = (RUNNER, "GPUModelRunner.execute_model", ("scheduler_output",))
+    # The package: importing it loads ATTN with every other attention module (~0.4 s), in a front end
+    # that never runs a layer; asking whether ATTN exists would import the package already.
+    defer_until = ATTN.rsplit(".", 1)[0]
+
     def targets(self):
-        return [
-            (ATTN, "get_attention_context", ("layer_name",)),
-            (RUNNER, "GPUModelRunner.execute_model", ("scheduler_output",)),
-        ]
+        return [(ATTN, "get_attention_context", ("layer_name",))]
 
     def install_patches(self) -> None:
         import importlib
 
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from kvtrace.probes.imports import when_imported
 
         attn_mod = importlib.import_module(ATTN)
         self.ring = None
@@ -138,9 +142,22 @@ class AttentionProbe(Probe):
                 return orig(runner, *args, **kwargs)
             return wrapper
 
-        self.patch(GPUModelRunner, "execute_model", execute_model)
-        if hasattr(GPUModelRunner, "capture_model"):
-            self.patch(GPUModelRunner, "capture_model", capture_model)
+        def attach_runner(module: Any) -> None:
+            """Patch the model runner once its module is loaded (in a worker); disable on drift."""
+            if not self._patches:  # uninstalled meanwhile (at install, `enabled` is not yet set)
+                return
+            try:
+                module_name, qualname, params = self.RUNNER_TARGET
+                check_params(resolve(module_name, qualname), params, f"{module_name}.{qualname}")
+                runner_cls = module.GPUModelRunner
+                self.patch(runner_cls, "execute_model", execute_model)
+                if hasattr(runner_cls, "capture_model"):
+                    self.patch(runner_cls, "capture_model", capture_model)
+            except Exception as exc:
+                self.uninstall()
+                self.rec.set_probe_status(self.name, "disabled", str(exc))
+                self.rec.warn(f"probe {self.name} disabled: {exc}")
+
         self.patch(attn_mod, "get_attention_context", get_attention_context)
         try:  # MLA imported the function by name: patch its copy too, when the module loads here
             mla = importlib.import_module(MLA)
@@ -148,6 +165,8 @@ class AttentionProbe(Probe):
                 self.patch(mla, "get_attention_context", get_attention_context)
         except Exception:
             pass
+        if not when_imported(RUNNER, attach_runner):
+            raise TargetMissing(f"{RUNNER}: no such module")
 
     def nvtx_layer(self, layer: int | None) -> None:
         """Per-layer ranges (--nvtx-layers): `kvtrace layer N` runs from layer N's attention read to the
@@ -174,7 +193,7 @@ class AttentionProbe(Probe):
         if self.options.get("kv_granularity") == "off":
             self.rec.set_probe_status(self.name, "off", "--kv-granularity off")
             return False
-        return super().install()
+        return super().install()  # installs when the attention module is imported (defer_until)
 
     def set_rank(self, runner: Any) -> None:
         """Rows carry rank = dp_rank * 1000 + tp_rank of this worker."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -70,8 +71,24 @@ class Probe:
     def install_patches(self) -> None:
         raise NotImplementedError
 
+    # A module this probe's targets live in that only some vLLM processes load, and that is costly to
+    # import: the probe installs when it is imported (probes/imports.py), not by importing it itself.
+    defer_until: str | None = None
+
     # ---- lifecycle --------------------------------------------------------------------------
     def install(self) -> bool:
+        """Check every target, then patch; or, with `defer_until` not yet imported, arrange that and
+        return True. Returns False (and records why) when the probe is off."""
+        if self.defer_until and self.defer_until not in sys.modules:
+            from kvtrace.probes.imports import when_imported
+
+            if when_imported(self.defer_until, lambda _module: self.install_now()):
+                # Stays "unused" in a process that never loads it (a front end); "attached" once it does.
+                self.rec.set_probe_status(self.name, "unused", f"{self.defer_until} not imported in this process")
+                return True
+        return self.install_now()
+
+    def install_now(self) -> bool:
         """Check every target, then patch. Returns False (and records why) when the probe is off."""
         extra = self.options.get("extra_targets", {}).get(self.name, [])  # used by drift tests
         try:
@@ -83,6 +100,11 @@ class Probe:
             return False
         try:
             self.install_patches()
+        except TargetMissing as exc:  # a target found missing only while patching
+            self.uninstall()
+            self.rec.set_probe_status(self.name, "disabled", str(exc))
+            self.rec.warn(f"probe {self.name} disabled: {exc}")
+            return False
         except Exception as exc:
             self.uninstall()
             self.rec.set_probe_status(self.name, "failed", f"patching failed: {exc!r}")

@@ -130,6 +130,11 @@ def write_runs(slot_mapping: np.ndarray, query_start_loc: np.ndarray | None, num
     if T == 0:
         e = np.zeros(0, np.int64)
         return e, e, e
+    if query_start_loc is not None and T == num_reqs:
+        qsl = np.asarray(query_start_loc)[: num_reqs + 1]
+        if np.array_equal(qsl, np.arange(num_reqs + 1)):  # pure decode: one token, one run per request
+            starts = np.flatnonzero(sm >= 0)
+            return starts, np.ones(starts.size, np.int64), starts
     t = np.arange(T)
     if query_start_loc is None:
         zone = np.full(T, num_reqs)
@@ -411,8 +416,18 @@ class CPUKVAccessRing(KVAccessRing):
 
     backend = "cpu"
 
+    # Drained at a step boundary once this long has passed since the last drain (monotonic ns), or
+    # sooner when a ring is a quarter full: decoding costs tens of microseconds per call, whatever
+    # the number of records, so draining every step would cost more than recording.
+    DRAIN_EVERY_NS = 100_000_000
+
     def __init__(self, **kw: Any):
         super().__init__(**kw)
+        self._drained_ns = time.monotonic_ns()
+        # The records of the current forward pass, by metadata tensors: the layers of one KV-cache
+        # group read one block table, slot mapping and seq_lens, so later layers reuse the first's.
+        self._memo: dict[tuple, tuple[np.ndarray | None, int, int]] = {}
+        self._memo_layer = -1
         self._ring = np.zeros(self.capacity, REC_DTYPE)
         self._ring["meta"] = np.uint32(0xFFFFFFFF)  # lap 0x7FFF: an unwritten slot never passes as lap 0
         self._tring = np.zeros(self.timing_capacity, TIM_DTYPE)
@@ -422,24 +437,48 @@ class CPUKVAccessRing(KVAccessRing):
 
     def begin_step(self, step: int, record: bool = True) -> None:
         self._set_step(step, record)
+        self._memo.clear()
         if self.auto_drain:
-            self.drain()
+            now = time.monotonic_ns()
+            if (now - self._drained_ns >= self.DRAIN_EVERY_NS or (self._head - self._tail) * 4 >= self.capacity
+                    or (self._thead - self._ttail) * 4 >= self.timing_capacity):
+                self._drained_ns = now
+                self.drain()
 
     def record_layer(self, layer_idx: int, slot_mapping, block_table, seq_lens, query_start_loc=None) -> None:
         if not self.active:
             return
         ts = time.monotonic_ns()
+        if layer_idx <= self._memo_layer:  # a new forward pass: new metadata in the same buffers
+            self._memo.clear()
+        self._memo_layer = layer_idx
+        key = (_buffer_key(slot_mapping), _buffer_key(block_table), _buffer_key(seq_lens),
+               _buffer_key(query_start_loc))
+        memo = self._memo.get(key)
         if self._wants_blocks(layer_idx, block_table):
-            recs = layer_records(self.step, layer_idx, ts, slot_mapping, block_table, seq_lens,
-                                 query_start_loc, self.block_size)
-            writes = int(((recs["meta"] >> 16) & 1).sum())
-            reads = recs.size - writes
+            if memo is not None and memo[0] is not None:  # the same records, another layer
+                recs = memo[0].copy()
+                recs["ts"] = ts
+                recs["meta"] = (recs["meta"] & np.uint32(0xFFFF0000)) | np.uint32(layer_idx & 0xFFFF)
+                reads, writes = memo[1], memo[2]
+            else:
+                recs = layer_records(self.step, layer_idx, ts, slot_mapping, block_table, seq_lens,
+                                     query_start_loc, self.block_size)
+                writes = int(((recs["meta"] >> 16) & 1).sum())
+                reads = recs.size - writes
+                self._memo[key] = (recs, reads, writes)
             self._head = self._push(self._ring, self.log2cap, self._head, recs)
+        elif memo is not None:
+            reads, writes = memo[1], memo[2]
         else:
             reads, writes = layer_counts(slot_mapping, block_table, seq_lens, query_start_loc, self.block_size)
-        t = np.zeros(1, TIM_DTYPE)
-        t["step"], t["ts"], t["reads"], t["writes"], t["meta"] = self.step, ts, reads, writes, layer_idx & 0xFFFF
-        self._thead = self._push(self._tring, self.log2tcap, self._thead, t)
+            self._memo[key] = (None, reads, writes)
+        # One timing record, stored in place (what `_push` does for many, without its array set-up).
+        pos = self._thead
+        lap = (pos >> self.log2tcap) & LAP_MASK
+        self._tring[pos & (self.timing_capacity - 1)] = (self.step, ts, reads, writes,
+                                                         (layer_idx & 0xFFFF) | (lap << 17), 0)
+        self._thead = pos + 1
 
     @staticmethod
     def _push(ring: np.ndarray, log2cap: int, head: int, recs: np.ndarray) -> int:
@@ -470,6 +509,14 @@ class CPUKVAccessRing(KVAccessRing):
         recs = ring[np.arange(lo, head, dtype=np.int64) & (ring.size - 1)]
         self._decode_window(recs, lo, tail, head, log2cap, lo, timing)
         return head
+
+
+def _buffer_key(x: Any) -> tuple:
+    """Identifies a metadata tensor's buffer and shape (its contents are fixed within a forward pass)."""
+    if x is None:
+        return ()
+    ptr = x.data_ptr() if hasattr(x, "data_ptr") else x.__array_interface__["data"][0]
+    return (ptr, tuple(x.shape))
 
 
 def make_ring(device: Any = "cpu", **kw: Any) -> KVAccessRing:

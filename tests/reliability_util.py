@@ -154,22 +154,19 @@ def engine_with_steps(rec: Recording, min_steps: int = 5) -> dict | None:
 
 
 def group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    """No process of the group is left running. Zombies do not count: an orphan killed with its group
+    waits for init to reap it, which in a container can take seconds; it runs nothing."""
+    return not group_members(pgid)
 
 
 def group_members(pgid: int) -> list[str]:
+    """The group's processes that have not exited (zombies excluded)."""
     import psutil
 
     found = []
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+    for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
         with contextlib.suppress(Exception):
-            if os.getpgid(p.pid) == pgid:
+            if os.getpgid(p.pid) == pgid and p.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
                 found.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}")
     return found
 
