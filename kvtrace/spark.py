@@ -45,7 +45,7 @@ WITH st AS (SELECT session, count(*) AS n, min(t_start_ns) AS t0, max(t_end_ns) 
      ka AS (SELECT session, count(*) AS n FROM kv_access GROUP BY session),
      dr AS (SELECT session, sum(dropped) AS n FROM drops GROUP BY session),
      pr AS (SELECT session, concat_ws(', ', sort_array(collect_set(concat(probe, ':', status)))) AS names
-            FROM probes WHERE status NOT IN ('attached', 'off') GROUP BY session)
+            FROM probes WHERE status NOT IN ('attached', 'off', 'unused') GROUP BY session)
 SELECT
     s.session,
     s.status,

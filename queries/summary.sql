@@ -20,7 +20,7 @@ SELECT
     (SELECT count(*) FROM kv_access k WHERE k.session = s.session) AS kv_access_records,
     (SELECT coalesce(sum(dropped), 0) FROM drops d WHERE d.session = s.session) AS dropped_events,
     (SELECT string_agg(DISTINCT probe || ':' || status, ', ') FROM probes p
-        WHERE p.session = s.session AND p.status NOT IN ('attached', 'off')) AS probes_disabled,
+        WHERE p.session = s.session AND p.status NOT IN ('attached', 'off', 'unused')) AS probes_disabled,
     round((SELECT (max(t_end_ns) - min(t_start_ns)) / 1e9 FROM steps t WHERE t.session = s.session), 3)
         AS duration_s
 FROM sessions s

@@ -248,7 +248,7 @@ def _meta(con, sid: str, t0: int, notices: list) -> dict[str, Any]:
     if lost:
         notices.append({"kind": "warn", "text": f"{int(lost):,} rows were lost while recording (see the drops table)."})
     for probe, role, status, reason in con.execute("""SELECT DISTINCT probe, role, status, reason FROM probes
-            WHERE session = ? AND status NOT IN ('attached', 'off') ORDER BY 1, 2""", [sid]).fetchall():
+            WHERE session = ? AND status NOT IN ('attached', 'off', 'unused') ORDER BY 1, 2""", [sid]).fetchall():
         notices.append({"kind": "warn", "text": f"Probe {probe} ({role}) {status}: {reason}"})
     return meta
 
