@@ -28,7 +28,8 @@ needed). Arguments:
                    `append_columns(table, {column: numpy array})`, decoded rows go there without
                    per-row Python tuples.
   timing_capacity  timing records the device keeps between drains (power of two).
-  auto_drain       `begin_step` calls `drain()` itself (once per step).
+  auto_drain       `begin_step` drains by itself: the GPU ring every step (an asynchronous copy), the CPU
+                   ring every 100 ms or when a ring is a quarter full (decoding has a fixed cost per call).
   overlap          GPU, CUDA graphs (default True): while a graph is captured, each layer's record kernel is
                    forked onto a side stream and joined at the next layer, so in the graph it runs beside
                    attention instead of between kernels (measured on an H100: +0.38% -> +0.01% of a decode step). The
