@@ -54,7 +54,10 @@ class _ImportWatcher(importlib.abc.MetaPathFinder):
         with self.lock:
             callbacks = self.waiting.pop(name, [])
         for fn in callbacks:
-            fn(module)  # callbacks guard themselves: an import must never fail because of a probe
+            try:
+                fn(module)
+            except Exception as exc:  # an import must never fail because of a probe
+                print(f"kvtrace: warning: after importing {name}: {exc!r}", file=sys.stderr)
 
 
 _watcher = _ImportWatcher()

@@ -26,3 +26,18 @@ def test_a_module_that_does_not_exist_is_reported():
     assert not when_imported("kvt_no_such_module_here", calls.append)
     assert not when_imported("kvt_no_such_pkg.sub", calls.append)
     assert calls == []
+
+
+def test_a_failing_callback_never_breaks_the_import(tmp_path, monkeypatch, capsys):
+    (tmp_path / "kvt_late_mod2.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def boom(_module):
+        raise RuntimeError("probe bug")
+
+    assert when_imported("kvt_late_mod2", boom)
+    import kvt_late_mod2
+
+    assert kvt_late_mod2.VALUE == 7
+    assert "probe bug" in capsys.readouterr().err
+    sys.modules.pop("kvt_late_mod2", None)
