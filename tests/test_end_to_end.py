@@ -121,6 +121,9 @@ def test_manifest(recorded_run):
             assert st["status"] == "attached" or (unused_ok and st["status"] == "unused"), (name, where, st)
     assert any(where.startswith("worker:") and st["status"] == "attached"
                for where, st in manifest["probes"]["attention"].items())
+    # ... and the front end and EngineCore never import it for kvtrace's sake (~1 s of start-up each).
+    assert all(st["status"] == "unused" for where, st in manifest["probes"]["attention"].items()
+               if not where.startswith("worker:"))
     assert manifest["vllm_version"].startswith("0.32.0")
 
 
