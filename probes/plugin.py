@@ -54,23 +54,22 @@ def register() -> None:
 
 def close_probes() -> None:
     """Let probes flush what they hold (pending steps, device rings); safe to call more than once."""
-    for probe in _installed:
-        close = getattr(probe, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception:
-                pass
+    _each_probe("close")
 
 
 def take_pending() -> None:
     """Let probes that hold rows as columns (`take()`) hand them to the recorder now; cheap, on the
     scheduler's thread (the one that appends them), so no row is torn or lost to a race."""
+    _each_probe("take")
+
+
+def _each_probe(method: str) -> None:
+    """Call `method()` on every installed probe that has it; a probe's error never reaches vLLM."""
     for probe in _installed:
-        take = getattr(probe, "take", None)
-        if take is not None:
+        fn = getattr(probe, method, None)
+        if fn is not None:
             try:
-                take()
+                fn()
             except Exception:
                 pass
 
