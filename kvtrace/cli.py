@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -134,15 +135,32 @@ def ingest(sessions, db, nsys, job_pattern, progress) -> None:
 
 
 def _print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:
-    if fmt == "json":
-        click.echo(json.dumps([dict(zip(columns, r, strict=False)) for r in rows], default=str, indent=1))
+    _print_chunks(columns, iter([rows]), fmt)
+
+
+def _print_chunks(columns: list[str], chunks: Iterator[list[tuple]], fmt: str) -> None:
+    """Write rows that come in chunks: csv and json as they come (a result of millions of rows is never
+    held whole); a table needs every row first, for its column widths."""
+    if fmt == "json":  # exactly json.dumps(list of row objects, indent=1), one object at a time
+        out = sys.stdout
+        encode = json.JSONEncoder(default=str, indent=1).encode  # json.dumps would make one per row
+        first = True
+        for chunk in chunks:
+            if not chunk:
+                continue
+            texts = [encode(dict(zip(columns, r, strict=False))).replace("\n", "\n ") for r in chunk]
+            out.write(("[\n " if first else ",\n ") + ",\n ".join(texts))
+            first = False
+        out.write("[]\n" if first else "\n]\n")
     elif fmt == "csv":
         import csv
 
         w = csv.writer(sys.stdout)
         w.writerow(columns)
-        w.writerows(rows)
+        for chunk in chunks:
+            w.writerows(chunk)
     else:
+        rows = [row for chunk in chunks for row in chunk]
         widths = [max(len(str(c)), *(len(_cell(r[i])) for r in rows)) if rows else len(str(c))
                   for i, c in enumerate(columns)]
         click.echo("  ".join(str(c).ljust(w) for c, w in zip(columns, widths, strict=False)))
@@ -175,7 +193,7 @@ def query(db, name, sql, params, fmt, list_, dataset) -> None:
     kvtrace query run1.duckdb --sql "select * from steps order by step limit 5"
     kvtrace query --dataset sessions/ summary
     """
-    from kvtrace.queries import all_queries, get_query, run_sql
+    from kvtrace.queries import all_queries, get_query, iter_sql
 
     if list_:
         for q in all_queries().values():
@@ -201,15 +219,15 @@ def query(db, name, sql, params, fmt, list_, dataset) -> None:
         con = open_db(db, read_only=True)
     try:
         if sql:
-            columns, rows = run_sql(con, sql, values)
+            columns, chunks = iter_sql(con, sql, values)
         elif name:
             q = get_query(name)
-            columns, rows = run_sql(con, q.sql, values, q.params)
+            columns, chunks = iter_sql(con, q.sql, values, q.params)
         else:
             raise KvtraceError("give a canned query name or --sql (kvtrace query --list shows the names)")
+        _print_chunks(columns, chunks, fmt)
     finally:
         con.close()
-    _print_rows(columns, rows, fmt)
 
 
 def _coerce(value: str):

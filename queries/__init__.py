@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from importlib import resources
+from collections.abc import Iterator
 from typing import Any
 
 import duckdb
@@ -71,6 +72,16 @@ def get_query(name: str) -> CannedQuery:
 def run_sql(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] | None = None,
             declared: dict[str, str] | None = None) -> tuple[list[str], list[tuple]]:
     """Run SQL with named parameters; returns (column names, rows). Errors become one-line KvtraceErrors."""
+    columns, chunks = iter_sql(con, sql, params, declared, chunk_rows=None)
+    return columns, [row for chunk in chunks for row in chunk]
+
+
+def iter_sql(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] | None = None,
+             declared: dict[str, str] | None = None, chunk_rows: int | None = 50_000
+             ) -> tuple[list[str], Iterator[list[tuple]]]:
+    """Like `run_sql`, but the rows come in lists of at most `chunk_rows` (None: one list of all), so a
+    caller can write a large result out without holding it all; the connection must stay open while
+    the chunks are read."""
     params = dict(params or {})
     unknown = [p for p in params if declared is not None and p not in declared]
     if unknown:
@@ -81,11 +92,25 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] | N
     used = {p: v for p, v in params.items() if re.search(rf"\${re.escape(p)}\b", sql)}
     try:
         cur = con.execute(sql, used) if used else con.execute(sql)
-        if cur.description is None:
-            return [], []
-        return [d[0] for d in cur.description], cur.fetchall()
     except duckdb.Error as exc:
         raise KvtraceError(f"query failed: {str(exc).splitlines()[0]}") from None
+    if cur.description is None:
+        return [], iter(())
+
+    def chunks() -> Iterator[list[tuple]]:
+        try:
+            if chunk_rows is None:
+                yield cur.fetchall()
+                return
+            while True:
+                rows = cur.fetchmany(chunk_rows)
+                if not rows:
+                    return
+                yield rows
+        except duckdb.Error as exc:
+            raise KvtraceError(f"query failed: {str(exc).splitlines()[0]}") from None
+
+    return [d[0] for d in cur.description], chunks()
 
 
 def run_query(con: duckdb.DuckDBPyConnection, name: str, params: dict[str, Any] | None = None):

@@ -3,6 +3,7 @@ one line; canned queries all carry their header and are listed and documented.""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -89,3 +90,29 @@ def test_wheel_installs_only_under_kvtrace(tmp_path):
         assert needed in names, needed
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "[vllm.general_plugins]" in entry and "kvtrace.probes.plugin:register" in entry
+
+
+def test_query_output_is_streamed_in_chunks_with_the_same_text():
+    """`kvtrace query` writes csv and json chunk by chunk (a big result is never held whole): the text
+    is exactly what one dump of all rows gives, whatever the chunking."""
+    import contextlib
+    import csv
+    import io
+
+    from kvtrace.cli import _print_chunks
+
+    cols = ["a", "b", "c"]
+    rows = [(1, "x\ny", None), (2.5, 'q"uote', [1, 2]), (3, "é", True)]
+    for chunks in ([rows], [rows[:1], [], rows[1:]], [[]], []):
+        all_rows = [r for c in chunks for r in c]
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            _print_chunks(cols, iter(chunks), "json")
+        assert buf.getvalue() == json.dumps([dict(zip(cols, r)) for r in all_rows], default=str, indent=1) + "\n"
+        buf, want = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            _print_chunks(cols, iter(chunks), "csv")
+        w = csv.writer(want)
+        w.writerow(cols)
+        w.writerows(all_rows)
+        assert buf.getvalue() == want.getvalue()
