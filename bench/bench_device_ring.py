@@ -27,6 +27,7 @@ from collections import Counter
 
 import numpy as np
 import torch
+
 from kvtrace.probes.kv_ring import CPUKVAccessRing, MemoryRecorder, make_ring
 
 

@@ -41,8 +41,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.driven_scheduler import (  # noqa: E402
-    DrivenConfig,
     HOST_PROBES,
+    DrivenConfig,
     DrivenScheduler,
     install_probes,
     shared_prefix_prompts,

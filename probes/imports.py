@@ -13,8 +13,8 @@ import importlib.abc
 import importlib.util
 import sys
 import threading
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 Callback = Callable[[ModuleType], None]
 

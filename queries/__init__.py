@@ -12,9 +12,9 @@ query treats NULL as "no restriction" or its documented default.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
-from collections.abc import Iterator
 from typing import Any
 
 import duckdb

@@ -207,9 +207,8 @@ def record_driven(session_dir: Any, model: str, cfg: DrivenConfig, scenario: Any
     (a session without manifest, as the probes alone write it); returns the scenario's result."""
     from pathlib import Path
 
-    from kvtrace.recorder import Recorder
-
     from kvtrace.probes.context import ctx
+    from kvtrace.recorder import Recorder
 
     rec = Recorder(Path(session_dir), "engine", {})
     d = DrivenScheduler(model, cfg, keep_stats=keep_stats)

@@ -24,8 +24,9 @@ import re
 import time
 from typing import Any
 
-from kvtrace.probes import pins
 from vllm.v1.core.sched.scheduler import Scheduler
+
+from kvtrace.probes import pins
 
 REASON = "ttl-pin"
 

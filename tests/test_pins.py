@@ -45,9 +45,8 @@ def test_adapter_is_a_noop_when_not_recording(pins_module, monkeypatch):
 
 @pytest.mark.parametrize("disabled", [False, True])
 def test_adapter_appends_pins_rows(pins_module, monkeypatch, tmp_path, disabled):
-    from kvtrace.probes.context import ctx
-
     import kvtrace.recorder as recorder
+    from kvtrace.probes.context import ctx
     from kvtrace.recorder import Recorder, rows_to_batch
 
     rec = Recorder(tmp_path, "engine", {"disable_probes": ["pins"]} if disabled else {})

@@ -27,13 +27,14 @@ except Exception as exc:
                 allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvtrace.probes.kv_ring import CPUKVAccessRing, MemoryRecorder, make_ring  # noqa: E402
 from test_kv_ring import (  # noqa: E402
     chaotic_metadata,
     expected_rows,
     make_metadata,
     strip_ts,
 )
+
+from kvtrace.probes.kv_ring import CPUKVAccessRing, MemoryRecorder, make_ring  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda", torch.cuda.current_device())
