@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from kvtrace.probes.base import Probe, TargetMissing, check_params, resolve
+from kvtrace.probes.base import Probe, TargetMissing
 
 ATTN = "vllm.model_executor.layers.attention.attention"
 MLA = "vllm.model_executor.layers.attention.mla_attention"
@@ -147,16 +147,13 @@ class AttentionProbe(Probe):
             if not self._patches:  # uninstalled meanwhile (at install, `enabled` is not yet set)
                 return
             try:
-                module_name, qualname, params = self.RUNNER_TARGET
-                check_params(resolve(module_name, qualname), params, f"{module_name}.{qualname}")
+                self.check_targets([self.RUNNER_TARGET])
                 runner_cls = module.GPUModelRunner
                 self.patch(runner_cls, "execute_model", execute_model)
                 if hasattr(runner_cls, "capture_model"):
                     self.patch(runner_cls, "capture_model", capture_model)
             except Exception as exc:
-                self.uninstall()
-                self.rec.set_probe_status(self.name, "disabled", str(exc))
-                self.rec.warn(f"probe {self.name} disabled: {exc}")
+                self.give_up(exc)
 
         self.patch(attn_mod, "get_attention_context", get_attention_context)
         try:  # MLA imported the function by name: patch its copy too, when the module loads here

@@ -92,27 +92,31 @@ class Probe:
         """Check every target, then patch. Returns False (and records why) when the probe is off."""
         extra = self.options.get("extra_targets", {}).get(self.name, [])  # used by drift tests
         try:
-            for module, qualname, params in [*self.targets(), *[tuple(t) for t in extra]]:
-                check_params(resolve(module, qualname), tuple(params), f"{module}.{qualname}")
-        except TargetMissing as exc:
-            self.rec.set_probe_status(self.name, "disabled", str(exc))
-            self.rec.warn(f"probe {self.name} disabled: {exc}")
-            return False
-        try:
+            self.check_targets([*self.targets(), *extra])
             self.install_patches()
-        except TargetMissing as exc:  # a target found missing only while patching
-            self.uninstall()
-            self.rec.set_probe_status(self.name, "disabled", str(exc))
-            self.rec.warn(f"probe {self.name} disabled: {exc}")
-            return False
         except Exception as exc:
-            self.uninstall()
-            self.rec.set_probe_status(self.name, "failed", f"patching failed: {exc!r}")
-            self.rec.warn(f"probe {self.name} failed to install: {exc!r}")
+            self.give_up(exc)
             return False
         self.enabled = True
         self.rec.set_probe_status(self.name, "attached")
         return True
+
+    @staticmethod
+    def check_targets(targets: Any) -> None:
+        """TargetMissing unless every (module, qualname, parameter names) target exists as named."""
+        for module, qualname, params in targets:
+            check_params(resolve(module, qualname), tuple(params), f"{module}.{qualname}")
+
+    def give_up(self, exc: BaseException) -> None:
+        """Installing failed: restore what was patched and record why (a missing or changed target
+        disables the probe; any other error while patching is a failure)."""
+        self.uninstall()
+        if isinstance(exc, TargetMissing):
+            self.rec.set_probe_status(self.name, "disabled", str(exc))
+            self.rec.warn(f"probe {self.name} disabled: {exc}")
+        else:
+            self.rec.set_probe_status(self.name, "failed", f"patching failed: {exc!r}")
+            self.rec.warn(f"probe {self.name} failed to install: {exc!r}")
 
     def patch(self, owner: Any, attr: str, make_wrapper: Callable[[Any], Any]) -> Any:
         """Replace owner.attr by make_wrapper(original); remembered so `uninstall` restores it."""

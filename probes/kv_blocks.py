@@ -158,6 +158,25 @@ def exact_wrapper(orig: Any, body: str, env: dict) -> Any:
     return wrapper
 
 
+def patch_exact(probe: Probe, owner: Any, bodies: dict[str, str], env: dict) -> None:
+    """Patch each `owner.NAME` for `probe` with `exact_wrapper(original, bodies[NAME], env)`."""
+    for name, body in bodies.items():
+        probe.patch(owner, name, lambda orig, body=body: exact_wrapper(orig, body, env))
+
+
+def after_call(handler: str, condition: str = "") -> str:
+    """The `exact_wrapper` body of a wrapper that calls the original, then (while the probe is on and
+    `condition` holds) the handler call `handler`, whose errors switch the probe off, never vLLM."""
+    return f"""
+    result = {{call}}
+    if probe.enabled{condition}:
+        try:
+            {handler}
+        except Exception as exc:
+            probe.fail(exc)
+    return result"""
+
+
 class BlockColumns:
     """`block_events` rows kept as columns (block ids and hashes flattened, with end offsets) until
     `take()` hands them to the recorder as one RecordBatch.
@@ -330,25 +349,12 @@ class BlockPoolProbe(Probe):
     except Exception as exc:
         probe.fail(exc)
     return result""",
-            "touch": """
-    result = {call}
-    if probe.enabled:
-        try:
-            on_touch({self}, blocks)
-        except Exception as exc:
-            probe.fail(exc)
-    return result""",
-            "cache_full_blocks": """
-    result = {call}
-    if probe.enabled and num_full_blocks > num_cached_blocks:
-        try:
-            on_cache(request, blocks, num_cached_blocks, num_full_blocks, kv_cache_group_id)
-        except Exception as exc:
-            probe.fail(exc)
-    return result""",
+            "touch": after_call("on_touch({self}, blocks)"),
+            "cache_full_blocks": after_call(
+                "on_cache(request, blocks, num_cached_blocks, num_full_blocks, kv_cache_group_id)",
+                " and num_full_blocks > num_cached_blocks"),
         }
-        for name, body in bodies.items():
-            self.patch(BlockPool, name, lambda orig, body=body: exact_wrapper(orig, body, env))
+        patch_exact(self, BlockPool, bodies, env)
 
     def take(self) -> None:
         """Hand the rows gathered so far to the recorder (one RecordBatch)."""
@@ -396,25 +402,10 @@ class PrefixCacheProbe(Probe):
 
         env = {"probe": probe, "on_lookup": on_lookup, "on_counted": on_counted}
         bodies = {
-            "get_computed_blocks": """
-    result = {call}
-    if probe.enabled:
-        try:
-            on_lookup(request, result)
-        except Exception as exc:
-            probe.fail(exc)
-    return result""",
-            "record_prefix_cache_stats": """
-    result = {call}
-    if probe.enabled:
-        try:
-            on_counted({self}, request, num_hits)
-        except Exception as exc:
-            probe.fail(exc)
-    return result""",
+            "get_computed_blocks": after_call("on_lookup(request, result)"),
+            "record_prefix_cache_stats": after_call("on_counted({self}, request, num_hits)"),
         }
-        for name, body in bodies.items():
-            self.patch(KVCacheManager, name, lambda orig, body=body: exact_wrapper(orig, body, env))
+        patch_exact(self, KVCacheManager, bodies, env)
 
     @staticmethod
     def on_counted_lookup(kvm, request, num_hits, last_lookup, external, out) -> None:
