@@ -44,6 +44,17 @@ def run_kvtrace(*args: str, check: bool = True, env: dict | None = None, timeout
     return proc
 
 
+def query(db: Path, sql: str, params: list | None = None) -> list[tuple]:
+    """Rows of `sql` on the DuckDB file `db`, opened read-only for this one query."""
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        return con.execute(sql, params or []).fetchall()
+    finally:
+        con.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     if not have_vllm():

@@ -19,9 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import duckdb
-
-from tests.conftest import JOB_PATTERN, VLLM_ENV, kvtrace_cmd, run_kvtrace
+from tests.conftest import JOB_PATTERN, VLLM_ENV, kvtrace_cmd, query, run_kvtrace  # noqa: F401 (query: re-exported)
 
 STARTUP_S = 420  # a vLLM start on a busy 2-core machine has been seen to take 90 s; several at once, more
 
@@ -189,14 +187,6 @@ def healthy(port: int) -> bool:
 def ingest(session: Path, db: Path) -> subprocess.CompletedProcess:
     return run_kvtrace("ingest", str(session), "-o", str(db), "--job-pattern", JOB_PATTERN, check=False,
                        timeout=300)
-
-
-def query(db: Path, sql: str, params: list | None = None) -> list[tuple]:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        return con.execute(sql, params or []).fetchall()
-    finally:
-        con.close()
 
 
 def manifest(session: Path) -> dict:

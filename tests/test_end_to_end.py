@@ -13,20 +13,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-import duckdb
 import pytest
 
 from tests.conftest import VLLM_ENV, kvtrace_cmd, record_workload, run_kvtrace
+from tests.conftest import query as q
 
 pytestmark = pytest.mark.vllm
-
-
-def q(db: Path, sql: str, params=None):
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        return con.execute(sql, params or []).fetchall()
-    finally:
-        con.close()
 
 
 def test_summary_equals_vllm_counters(recorded_run):

@@ -7,10 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-import duckdb
 import pytest
 
-from tests.conftest import run_kvtrace
+from tests.conftest import query, run_kvtrace
 
 NUM_PROMPTS = 12
 
@@ -34,13 +33,7 @@ def test_vllm_bench_throughput_is_recorded(tiny_model, tmp_path):
     assert summary["requests"] == bench["num_requests"] == NUM_PROMPTS
     assert summary["steps"] > 0 and summary["block_allocs"] > 0 and summary["dropped_events"] == 0
     assert summary["probes_disabled"] is None  # "unused" (attention outside workers) is not disabled
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        # vLLM computes every prompt and output token the benchmark counts (total_num_tokens).
-        prompt, output = con.execute(
-            "SELECT sum(prompt_tokens), sum(output_tokens) FROM requests").fetchone()
-        assert prompt + output == bench["total_num_tokens"]
-        steps_with_rows = con.execute("SELECT count(DISTINCT step) FROM step_requests").fetchone()[0]
-        assert steps_with_rows > 0
-    finally:
-        con.close()
+    # vLLM computes every prompt and output token the benchmark counts (total_num_tokens).
+    [(prompt, output)] = query(db, "SELECT sum(prompt_tokens), sum(output_tokens) FROM requests")
+    assert prompt + output == bench["total_num_tokens"]
+    assert query(db, "SELECT count(DISTINCT step) FROM step_requests")[0][0] > 0

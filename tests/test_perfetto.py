@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import shutil
 from collections import defaultdict
-from pathlib import Path
 
 import duckdb
 import pytest
 
+from tests.conftest import query as q
 from tests.conftest import run_kvtrace
 
 pytestmark = pytest.mark.vllm
@@ -80,14 +80,6 @@ def check_trace_events(trace: dict) -> list[dict]:
         last_ts[track] = ev["ts"]
     assert not any(open_async.values()), {k: v for k, v in open_async.items() if v}
     return events
-
-
-def q(db: Path, sql: str):
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 @pytest.fixture(scope="module")

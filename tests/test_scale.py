@@ -20,6 +20,7 @@ from kvtrace.ingest import duckdb_load, ingest
 from kvtrace.ingest.shards import ShardRead, list_shards, read_shard
 from kvtrace.record import finalize_session, prepare_session
 from kvtrace.session import proc_dirs, read_proc, session_size_bytes
+from tests.conftest import query as q
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,14 +77,6 @@ def shard_rows(session: Path) -> dict[str, int]:
                 pass
             rows[shard.table] += res.rows
     return rows
-
-
-def q(db: Path, sql: str, params: list | None = None) -> list[tuple]:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        return con.execute(sql, params or []).fetchall()
-    finally:
-        con.close()
 
 
 # ---- the synthetic generator ---------------------------------------------------------------------

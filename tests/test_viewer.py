@@ -22,6 +22,7 @@ import pytest
 
 from kvtrace.errors import KvtraceError
 from tests.conftest import REPO, run_kvtrace
+from tests.conftest import query as q
 
 pytestmark = pytest.mark.vllm  # every test uses the shared recorded run
 
@@ -32,14 +33,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 EVIL_ID = '"><img src=x onerror=alert(1)>'
 EVIL_ID2 = "</script><script>alert(2)</script>"
 EVIL_MODEL = "<img src=x onerror=alert(3)>"
-
-
-def q(db: Path, sql: str, params=None) -> list[tuple]:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        return con.execute(sql, params or []).fetchall()
-    finally:
-        con.close()
 
 
 def dec(col):
