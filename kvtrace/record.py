@@ -107,18 +107,17 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
         raise KvtraceError("nothing to record: give a command after --, e.g. kvtrace record -- vllm serve MODEL")
     session_dir, _ = prepare_session(out_dir, command, options)
     env = session_env(session_dir, options)
-    try:
-        child = subprocess.Popen(command, env=env, start_new_session=True)
-    except FileNotFoundError:
-        raise KvtraceError(f"{command[0]}: command not found") from None
-    except PermissionError:
-        raise KvtraceError(f"{command[0]}: permission denied") from None
+    child: subprocess.Popen | None = None
     interrupts = 0
+    early: list[int] = []  # signals that came before the command started
 
     def forward(signum, _frame):
         nonlocal interrupts
         if signum == signal.SIGINT:
             interrupts += 1
+        if child is None:  # not started yet: it is told once it runs (below)
+            early.append(signum)
+            return
         try:
             if interrupts >= 2:  # the user insists: leave nothing behind
                 os.killpg(child.pid, signal.SIGKILL)
@@ -128,8 +127,19 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
         except ProcessLookupError:
             pass
 
+    # Handlers first, then the command: a handler is reset to the default action in the new program,
+    # while "ignore" is inherited. Started as `kvtrace record ... &` by a non-interactive shell (SIGINT
+    # ignored), the command would otherwise ignore the SIGINT forwarded to it, and never stop.
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
+        try:
+            child = subprocess.Popen(command, env=env, start_new_session=True)
+        except FileNotFoundError:
+            raise KvtraceError(f"{command[0]}: command not found") from None
+        except PermissionError:
+            raise KvtraceError(f"{command[0]}: permission denied") from None
+        if early:  # a signal came while it was starting
+            os.killpg(child.pid, early[-1])
         while True:
             try:
                 code = child.wait()

@@ -84,17 +84,26 @@ def _children(pid: int) -> list[int]:
 
 
 def start_record(session: Path, command: list[str], record_args: list[str] | None = None,
-                 env: dict | None = None, log_dir: Path | None = None) -> Recording:
+                 env: dict | None = None, log_dir: Path | None = None,
+                 sigint_ignored: bool = False) -> Recording:
     """Start `kvtrace record -o SESSION [record_args] -- command` in the background; its stdout and
-    stderr go to LOG_DIR (default: next to the session) as SESSION-NAME.stdout / .stderr."""
+    stderr go to LOG_DIR (default: next to the session) as SESSION-NAME.stdout / .stderr.
+    `sigint_ignored`: start it with SIGINT ignored, as a non-interactive shell starts `cmd &`."""
     session.parent.mkdir(parents=True, exist_ok=True)
     log_dir = log_dir or session.parent
     out, err = log_dir / f"{session.name}.stdout", log_dir / f"{session.name}.stderr"
     full_env = {**os.environ, **VLLM_ENV, **(env or {})}
     proc = subprocess.Popen(kvtrace_cmd("record", "-o", str(session), *(record_args or []), "--", *command),
                             stdout=open(out, "wb"), stderr=open(err, "wb"), env=full_env,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=_ignore_sigint if sigint_ignored else None)
     return Recording(session, proc, out, err)
+
+
+def _ignore_sigint() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def workload_cmd(model: str, *args: str) -> list[str]:

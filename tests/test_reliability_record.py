@@ -34,9 +34,10 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def record_child(tmp_path, mode: str):
+def record_child(tmp_path, mode: str, sigint_ignored: bool = False):
     ready = tmp_path / f"{mode}.pid"
-    rec = start_record(tmp_path / mode, [sys.executable, "-c", CHILD, mode, str(ready)])
+    rec = start_record(tmp_path / mode, [sys.executable, "-c", CHILD, mode, str(ready)],
+                       sigint_ignored=sigint_ignored)
     wait_until(ready.exists, 60, "the child to start", rec, every=0.05)
     rec.child()
     return rec
@@ -58,6 +59,21 @@ def test_signal_is_passed_on_and_record_exits_with_the_childs_status(tmp_path, m
         assert doc["exit_code"] == child_status and doc["status"] == status
         assert group_gone(rec.child_pgid)
         assert rec.stderr.strip().splitlines()[-1] == f"kvtrace: session {rec.session} ({status}, exit {child_status})"
+    finally:
+        rec.kill_all()
+
+
+def test_sigint_reaches_the_command_when_record_started_with_sigint_ignored(tmp_path):
+    """A non-interactive shell starts `kvtrace record ... &` with SIGINT ignored, and an ignored signal
+    is inherited across exec: the recorded command must still get SIGINT's default action, since
+    record forwards SIGINT to it (record's own handler is installed before the command starts, and a
+    handler, unlike "ignore", is reset to the default in the new program)."""
+    rec = record_child(tmp_path, "default", sigint_ignored=True)
+    try:
+        rec.proc.send_signal(signal.SIGINT)
+        assert rec.wait(timeout=60) == 128 + signal.SIGINT
+        assert manifest(rec.session)["exit_code"] == -signal.SIGINT
+        assert group_gone(rec.child_pgid)
     finally:
         rec.kill_all()
 
