@@ -493,4 +493,4 @@ def _derive_requests(con: duckdb.DuckDBPyConnection, sid: str, job_pattern: str 
 def _probe_report(con: duckdb.DuckDBPyConnection, sid: str) -> list[str]:
     return [f"{probe} ({role} pid {pid}): {status}: {reason}" for pid, role, probe, status, reason in
             con.execute("SELECT pid, role, probe, status, reason FROM probes WHERE session = ? AND "
-                        "status NOT IN ('attached', 'off', 'unused') ORDER BY probe, pid", [sid]).fetchall()]
+                        f"status NOT IN {schema.PROBE_FINE_SQL} ORDER BY probe, pid", [sid]).fetchall()]

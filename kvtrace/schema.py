@@ -24,6 +24,11 @@ SCHEMA_VERSION = 1
 # Readers accept shards and manifests from this version up to SCHEMA_VERSION.
 OLDEST_READABLE_SCHEMA_VERSION = 1
 
+# Probe statuses that are not a problem (probes.status): anything else is reported as disabled.
+# queries/summary.sql spells the same list out (tests/test_queries.py checks that they agree).
+PROBE_FINE_STATUSES = ("attached", "off", "unused")
+PROBE_FINE_SQL = "(" + ", ".join(f"'{s}'" for s in PROBE_FINE_STATUSES) + ")"
+
 
 @dataclass(frozen=True)
 class Column:

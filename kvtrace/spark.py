@@ -45,7 +45,7 @@ WITH st AS (SELECT session, count(*) AS n, min(t_start_ns) AS t0, max(t_end_ns) 
      ka AS (SELECT session, count(*) AS n FROM kv_access GROUP BY session),
      dr AS (SELECT session, sum(dropped) AS n FROM drops GROUP BY session),
      pr AS (SELECT session, concat_ws(', ', sort_array(collect_set(concat(probe, ':', status)))) AS names
-            FROM probes WHERE status NOT IN ('attached', 'off', 'unused') GROUP BY session)
+            FROM probes WHERE status NOT IN {PROBE_FINE_SQL} GROUP BY session)
 SELECT
     s.session,
     s.status,
@@ -160,7 +160,7 @@ def register_dataset(spark, path: str, prefix: str = "") -> list[str]:
 
 def summary_sql(session: str | None = None) -> str:
     where = "" if session is None else "WHERE s.session = '" + session.replace("'", "''") + "'"
-    return SUMMARY_SQL.format(where=where)
+    return SUMMARY_SQL.format(where=where, PROBE_FINE_SQL=schema.PROBE_FINE_SQL)
 
 
 def run_query(spark, name: str, session: str | None = None) -> tuple[list[str], list[tuple]]:

@@ -212,6 +212,14 @@ def test_every_query_is_listed_documented_and_takes_session():
         assert re.search(rf"^## {name}\b", docs, re.M), f"docs/queries.md has no section for {name}"
 
 
+def test_summary_counts_the_same_probe_statuses_as_disabled_as_everything_else():
+    """summary.sql cannot import PROBE_FINE_SQL: it spells the list out, and must say the same."""
+    from kvtrace.schema import PROBE_FINE_SQL
+
+    sql = (REPO / "queries" / "summary.sql").read_text()
+    assert f"status NOT IN {PROBE_FINE_SQL}" in sql
+
+
 @pytest.mark.parametrize("name", QUERIES)
 def test_query_runs_on_an_empty_database(empty_db, name):
     assert q(empty_db, name) == []

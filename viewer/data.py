@@ -29,6 +29,7 @@ import duckdb
 import pyarrow as pa
 
 from kvtrace.errors import KvtraceError
+from kvtrace.schema import PROBE_FINE_SQL
 
 DATA_VERSION = 1
 STOPS = ["none", "tok-budget", "kv-insuf", "max-seqs", "blocked", "lora", "preempted"]
@@ -247,8 +248,8 @@ def _meta(con, sid: str, t0: int, notices: list) -> dict[str, Any]:
         con, "drops") else 0
     if lost:
         notices.append({"kind": "warn", "text": f"{int(lost):,} rows were lost while recording (see the drops table)."})
-    for probe, role, status, reason in con.execute("""SELECT DISTINCT probe, role, status, reason FROM probes
-            WHERE session = ? AND status NOT IN ('attached', 'off', 'unused') ORDER BY 1, 2""", [sid]).fetchall():
+    for probe, role, status, reason in con.execute(f"""SELECT DISTINCT probe, role, status, reason FROM probes
+            WHERE session = ? AND status NOT IN {PROBE_FINE_SQL} ORDER BY 1, 2""", [sid]).fetchall():
         notices.append({"kind": "warn", "text": f"Probe {probe} ({role}) {status}: {reason}"})
     return meta
 
