@@ -184,6 +184,11 @@ def test_one_preemption_rows(drive):
         block(9, "alloc", "R2", [5, 2, 1]),
         block(15, "free", "R2", [1, 2, 5]),
     ]
+    # R1's decode at step 2 is the one that needs a new block (its 65th token): a decode row's
+    # new_blocks, kept sparse by the probe, lands on that row only.
+    r1 = [r for r in rows(session, "step_requests") if r["request_id"] == "R1"]
+    assert r1 == [sreq(1, "R1", 64, "prefill", 0, 0, 2, "new"), sreq(2, "R1", 1, "decode", -1, 64, 1, "running"),
+                  *[sreq(s, "R1", 1, "decode", -1, 64 + s - 2, 0, "running") for s in range(3, 9)]]
     r2 = [r for r in rows(session, "step_requests") if r["request_id"] == "R2"]
     assert r2 == [sreq(1, "R2", 64, "prefill", 0, 0, 2, "new"),
                   sreq(9, "R2", 65, "prefill", 0, 0, 3, "resumed"),  # recompute: prompt + its 1 output
