@@ -1,0 +1,107 @@
+"""Direct cost of each host-probe handler, per round of bench_host_probes' workload.
+
+    python bench/probe_costs.py [--rounds 2]
+
+bench_host_probes.py measures the probes' whole cost (probes on vs off), but on a shared 2-core machine
+its rounds vary by several percent, more than the pieces one would want to compare. This times the
+pieces themselves: each handler below is wrapped in a `perf_counter` pair (about 0.2 us a call of its
+own, included in the figures), and the rounds run with every host probe on. It prints, per round, the
+scheduler thread's CPU time and, per handler, its total time, calls and time per call. What it cannot
+see: the generated block-pool wrappers around the handlers, handler code not listed here, and vLLM code
+that runs slower beside ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import bench_host_probes as host  # noqa: E402
+
+from tests.driven_scheduler import (  # noqa: E402
+    HOST_PROBES,
+    DrivenConfig,
+    install_probes,
+    shared_prefix_prompts,
+    uninstall_probes,
+)
+
+TOTAL: collections.Counter = collections.Counter()
+CALLS: collections.Counter = collections.Counter()
+
+
+def _timed(label: str, fn):
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTAL[label] += time.perf_counter() - t0
+            CALLS[label] += 1
+    return timed
+
+
+def wrap_handlers() -> None:
+    """Replace the handlers with timed versions (class attributes; module functions the handlers call by
+    their global name)."""
+    from kvtrace.probes import kv_blocks, scheduler
+
+    methods = {
+        scheduler.SchedulerProbe: ("on_schedule", "on_update", "on_add_request", "on_preempt", "on_finished",
+                                   "arm_admission", "disarm_admission", "nvtx_open", "nvtx_close"),
+        scheduler.DecodeColumns: ("take",),
+        kv_blocks.BlockPoolProbe: ("take",),
+        kv_blocks.BlockColumns: ("add", "to_columns"),
+    }
+    for cls, names in methods.items():
+        for name in names:
+            setattr(cls, name, _timed(f"{cls.__name__}.{name}", getattr(cls, name)))
+    for name in ("caller_request_id", "hashes64", "block_ids"):
+        setattr(kv_blocks, name, _timed(name, getattr(kv_blocks, name)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds (after one warm-up)")
+    args = ap.parse_args(argv)
+
+    from kvtrace.model import ensure_tiny_model
+    from kvtrace.recorder import Recorder
+
+    model = str(ensure_tiny_model())
+    cfg = DrivenConfig(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=2048)
+    prompts = shared_prefix_prompts(512, 8, 512, 64)
+    wrap_handlers()
+    with tempfile.TemporaryDirectory(prefix="kvtrace-probe-costs-") as tmp:
+        rec = Recorder(Path(tmp) / "session", "engine", {})
+        for i in range(args.rounds + 1):
+            probes = install_probes(rec, HOST_PROBES)
+            TOTAL.clear()
+            CALLS.clear()
+            _, c = host.run_round(model, cfg, prompts, 256, 96)
+            uninstall_probes(probes)
+            if i == 0:
+                continue  # warm-up
+            print(f"round {i}: {c.steps} steps, scheduler thread {c.main_cpu:.3f} CPU-s, process {c.cpu:.3f} CPU-s")
+            timed = sum(TOTAL.values())
+            print(f"  {'handler':34s} {'ms':>8s} {'% of thread':>12s} {'calls':>7s} {'us/call':>8s}")
+            for label in sorted(TOTAL, key=TOTAL.get, reverse=True):
+                print(f"  {label:34s} {TOTAL[label] * 1e3:8.2f} {TOTAL[label] / c.main_cpu * 100:11.2f}% "
+                      f"{CALLS[label]:7d} {TOTAL[label] / CALLS[label] * 1e6:8.2f}")
+            print(f"  (nested labels overlap: take includes to_columns, on_schedule a DecodeColumns.take; "
+                  f"sum {timed * 1e3:.1f} ms)")
+        rec.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
