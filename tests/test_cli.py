@@ -115,3 +115,20 @@ def test_query_output_is_streamed_in_chunks_with_the_same_text():
         w.writerow(cols)
         w.writerows(all_rows)
         assert buf.getvalue() == want.getvalue()
+
+
+def test_query_table_output_pads_every_column_to_its_widest_cell(capsys):
+    """The table format: header, dashes, then each row with every cell padded to its column's widest
+    cell (header included), floats to 6 significant digits, None as blank; rows from every chunk."""
+    from kvtrace.cli import _print_chunks
+
+    rows = [(1, "x", None), (2.123456789, "longer cell", 7)]
+    _print_chunks(["a", "b", "wide_header"], iter([rows[:1], [], rows[1:]]), "table")
+    assert capsys.readouterr().out.splitlines() == [
+        "a        b            wide_header",
+        "-------  -----------  -----------",
+        "1        x                       ",
+        "2.12346  longer cell  7          ",
+    ]
+    _print_chunks(["only"], iter([]), "table")
+    assert capsys.readouterr().out.splitlines() == ["only", "----"]
