@@ -20,20 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "bench"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-import bench_host_probes as host  # noqa: E402
-
-from tests.driven_scheduler import (  # noqa: E402
-    HOST_PROBES,
-    DrivenConfig,
-    install_probes,
-    shared_prefix_prompts,
-    uninstall_probes,
-)
+# Run as `python bench/probe_costs.py`, this directory is first on sys.path; bench_host_probes puts the
+# repository there too and brings the driven scheduler's helpers, used below through it.
+import bench_host_probes as host
 
 TOTAL: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()
@@ -78,17 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     from kvtrace.recorder import Recorder
 
     model = str(ensure_tiny_model())
-    cfg = DrivenConfig(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=2048)
-    prompts = shared_prefix_prompts(512, 8, 512, 64)
+    cfg = host.DrivenConfig(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=2048)
+    prompts = host.shared_prefix_prompts(512, 8, 512, 64)  # bench_host_probes' default workload
     wrap_handlers()
     with tempfile.TemporaryDirectory(prefix="kvtrace-probe-costs-") as tmp:
         rec = Recorder(Path(tmp) / "session", "engine", {})
         for i in range(args.rounds + 1):
-            probes = install_probes(rec, HOST_PROBES)
+            probes = host.install_probes(rec, host.HOST_PROBES)
             TOTAL.clear()
             CALLS.clear()
             _, c = host.run_round(model, cfg, prompts, 256, 96)
-            uninstall_probes(probes)
+            host.uninstall_probes(probes)
             if i == 0:
                 continue  # warm-up
             print(f"round {i}: {c.steps} steps, scheduler thread {c.main_cpu:.3f} CPU-s, process {c.cpu:.3f} CPU-s")
