@@ -107,11 +107,14 @@ def _export_db(db: Path, out: Path, scratch: Path, meta: dict[str, Any], from_di
 
 def _session_tables(con: duckdb.DuckDBPyConnection) -> dict[str, list[list[str]]]:
     """The database's tables that have a `session` column, with their columns ([name, type]). Views
-    (the Nsight ones derived from tables) are not exported: `open_dataset` makes them again."""
+    (the Nsight ones derived from tables) are not exported: `open_dataset` makes them again; the views
+    of the keyed tables (`duckdb_load.KEYED_TABLES`) are, as they are how those tables are read."""
+    from kvtrace.ingest.duckdb_load import KEYED_TABLES
+
     rows = con.execute("""SELECT c.table_name, c.column_name, c.data_type FROM information_schema.columns c
         JOIN information_schema.tables t USING (table_catalog, table_schema, table_name)
-        WHERE c.table_schema = 'main' AND t.table_type = 'BASE TABLE'
-        ORDER BY c.table_name, c.ordinal_position""").fetchall()
+        WHERE c.table_schema = 'main' AND (t.table_type = 'BASE TABLE' OR list_contains(?::VARCHAR[], c.table_name))
+        ORDER BY c.table_name, c.ordinal_position""", [list(KEYED_TABLES)]).fetchall()
     tables: dict[str, list[list[str]]] = {}
     for table, column, type_ in rows:
         tables.setdefault(table, []).append([column, type_])

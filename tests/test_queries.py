@@ -88,9 +88,9 @@ MS = 1_000_000
 
 
 def _insert(c, table: str, rows: list[tuple]) -> None:
-    if rows:
-        marks = ", ".join("?" * len(rows[0]))
-        c.executemany(f"INSERT INTO {table} VALUES ({marks})", [list(r) for r in rows])
+    from kvtrace.ingest.duckdb_load import insert_rows
+
+    insert_rows(c, table, rows)
 
 
 def add_known_session(c) -> None:
@@ -167,13 +167,14 @@ def add_known_session(c) -> None:
 def multi(recorded_run, sid, tmp_path_factory):
     """The recorded database plus a copy of its session ('dup') and the hand-made session."""
     from kvtrace import schema
-    from kvtrace.ingest.duckdb_load import SESSION_TABLES
+    from kvtrace.ingest.duckdb_load import SESSION_TABLES, insert_rows
 
     path = tmp_path_factory.mktemp("multi") / "multi.duckdb"
     shutil.copy(recorded_run["db"], path)
     c = duckdb.connect(str(path))
     for table in [*schema.TABLES, *SESSION_TABLES]:
-        c.execute(f"INSERT INTO {table} SELECT * REPLACE ('dup' AS session) FROM {table} WHERE session = ?", [sid])
+        rows = c.execute(f"SELECT * REPLACE ('dup' AS session) FROM {table} WHERE session = ?", [sid]).fetchall()
+        insert_rows(c, table, rows)
     add_known_session(c)
     c.close()
     c = duckdb.connect(str(path), read_only=True)

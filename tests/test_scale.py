@@ -144,14 +144,15 @@ def test_synth_shape(tmp_path):
 
 
 # ---- streaming ingest ----------------------------------------------------------------------------
-def table_digests(db: Path) -> dict[str, tuple]:
+def table_digests(db: Path, where: str = "") -> dict[str, tuple]:
     con = duckdb.connect(str(db), read_only=True)
     try:
         out = {}
         for t in [*schema.TABLES, "requests"]:
             cols = [r[0] for r in con.execute(
-                "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [t]).fetchall()]
-            out[t] = con.execute(f"SELECT count(*), sum(hash({', '.join(cols)})) FROM {t}").fetchone()
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = 'main' AND table_name = ? "
+                "ORDER BY ordinal_position", [t]).fetchall()]
+            out[t] = con.execute(f"SELECT count(*), sum(hash({', '.join(cols)})) FROM {t} {where}").fetchone()
         return out
     finally:
         con.close()
@@ -173,6 +174,57 @@ def test_ingest_gathers_batches_into_few_inserts(tmp_path, monkeypatch):
     ingest([tmp_path / "s"], tmp_path / "small.duckdb")
     assert len(calls) > big
     assert table_digests(tmp_path / "big.duckdb") == table_digests(tmp_path / "small.duckdb")
+
+
+def test_keyed_tables_read_like_tables_and_older_databases_are_migrated(tmp_path):
+    """The per-step tables are stored with a process key (duckdb_load.KEYED_TABLES) and read through
+    views with the process columns; re-ingest replaces a session's keyed rows; a database written
+    before (plain tables with the process columns) has its rows moved into the store on the next ingest."""
+    synth.generate(tmp_path / "a", 20_000, seed=7)
+    synth.generate(tmp_path / "b", 10_000, seed=8)
+    db = tmp_path / "k.duckdb"
+    ingest([tmp_path / "a"], db)
+    con = duckdb.connect(str(db))
+    view_cols = con.execute("DESCRIBE step_requests").fetchall()
+    assert [c[0] for c in view_cols[:3]] == ["session", "rank", "pid"]
+    assert [c[0] for c in view_cols[3:]] == schema.column_names("step_requests")
+    sid_a, pids = con.execute("SELECT any_value(session), list(DISTINCT pid ORDER BY pid) FROM kv_access").fetchone()
+    [(n_keys,)] = con.execute(f"SELECT count(*) FROM {duckdb_load.STORE}.proc_keys").fetchall()
+    assert n_keys == len(proc_dirs(tmp_path / "a"))
+    con.close()
+    before = table_digests(db)
+    # Make it an older database: each keyed table a plain table with the process columns.
+    con = duckdb.connect(str(db))
+    for t in duckdb_load.KEYED_TABLES:
+        con.execute(f"CREATE TABLE old_{t} AS SELECT * FROM {t}")
+        con.execute(f"DROP VIEW {t}")
+        con.execute(f"DROP TABLE {duckdb_load.STORE}.{t}")
+        con.execute(f"ALTER TABLE old_{t} RENAME TO {t}")
+    con.execute(f"DROP TABLE {duckdb_load.STORE}.proc_keys")
+    con.close()
+    assert table_digests(db) == before  # what queries see is the same in both layouts
+    [rb] = ingest([tmp_path / "b"], db)
+    assert rb["status"] == "complete"
+    con = duckdb.connect(str(db), read_only=True)
+    kinds = dict(con.execute("SELECT table_schema || '.' || table_name, table_type FROM information_schema.tables "
+                             "WHERE table_name = 'kv_access'").fetchall())
+    assert kinds == {"main.kv_access": "VIEW", f"{duckdb_load.STORE}.kv_access": "BASE TABLE"}
+    got = con.execute("SELECT session, list(DISTINCT pid ORDER BY pid) FROM kv_access GROUP BY 1").fetchall()
+    con.close()
+    assert (sid_a, pids) in got and len(got) == 2
+    alone = tmp_path / "b.duckdb"
+    ingest([tmp_path / "b"], alone)
+    [(sid_b,)] = q(alone, "SELECT session FROM sessions")
+    assert table_digests(db, f"WHERE session = '{sid_a}'") == before  # the moved rows, unchanged
+    for t in duckdb_load.KEYED_TABLES:  # and the new session's, as when ingested alone
+        assert q(db, f"SELECT count(*) FROM {t} WHERE session = '{sid_b}'") == \
+            q(alone, f"SELECT count(*) FROM {t}"), t
+    # Re-ingest replaces the session's rows, keys included.
+    ingest([tmp_path / "b"], db)
+    assert q(db, f"SELECT count(*) FROM {duckdb_load.STORE}.proc_keys WHERE session = '{sid_b}'") == \
+        [(len(proc_dirs(tmp_path / "b")),)]
+    assert q(db, f"SELECT count(*) FROM step_requests WHERE session = '{sid_b}'") == \
+        q(alone, "SELECT count(*) FROM step_requests")
 
 
 def test_ingest_reports_progress_and_throughput(tmp_path, capsys):

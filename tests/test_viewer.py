@@ -21,6 +21,7 @@ import duckdb
 import pytest
 
 from kvtrace.errors import KvtraceError
+from kvtrace.ingest.duckdb_load import stored_table
 from tests.conftest import REPO, run_kvtrace
 from tests.conftest import query as q
 
@@ -386,7 +387,7 @@ def hostile_db(recorded_run, tmp_path_factory) -> Path:
     (a,), (b,) = con.execute("SELECT request_id FROM requests ORDER BY arrival_ns LIMIT 2").fetchall()
     for table in ("requests", "step_requests", "request_events", "block_events", "prefix_lookups",
                   "preemptions", "pins", "batch_slots", "kv_access", "transfers"):
-        con.execute(f"UPDATE {table} SET request_id = CASE request_id WHEN ? THEN ? ELSE ? END "
+        con.execute(f"UPDATE {stored_table(table)} SET request_id = CASE request_id WHEN ? THEN ? ELSE ? END "
                     "WHERE request_id IN (?, ?)", [a, EVIL_ID, EVIL_ID2, a, b])
     con.execute("UPDATE sessions SET model = ?", [EVIL_MODEL])
     con.execute("DROP VIEW IF EXISTS nsys_step_kernels")  # ingest makes an empty view on every database
@@ -447,7 +448,7 @@ def test_block_event_fallback_without_kv_access(browser, recorded_run, tmp_path)
     db = tmp_path / "no_access.duckdb"
     shutil.copy(recorded_run["db"], db)
     con = duckdb.connect(str(db))
-    con.execute("DELETE FROM kv_access")
+    con.execute(f"DELETE FROM {stored_table('kv_access')}")
     con.close()
     out = tmp_path / "no_access.html"
     run_kvtrace("export", str(db), "-o", str(out))
@@ -472,7 +473,7 @@ def test_session_without_steps(browser, recorded_run, tmp_path):
     shutil.copy(recorded_run["db"], db)
     con = duckdb.connect(str(db))
     for table in ("steps", "step_requests", "kv_access"):
-        con.execute(f"DELETE FROM {table}")
+        con.execute(f"DELETE FROM {stored_table(table)}")
     con.close()
     out = tmp_path / "no_steps.html"
     run_kvtrace("export", str(db), "-o", str(out))
