@@ -6,13 +6,16 @@ per block; device access records get their request id from the worker's batch sl
 The per-step tables, millions of rows in a long run (`KEYED_TABLES`), store a process key instead:
 `kvtrace_store.<table>` has `proc INTEGER` where the others have the three process columns, and
 `main.<table>` is a view that joins them back from `kvtrace_store.proc_keys`. The values a process
-writes are the same on every row, yet DuckDB pays for them per row on insert (the session string most):
-measured on bench_scale's 10 M-event session, ~20% of ingest's wall time. Queries see the same names,
-columns and types, and run as fast (bench_scale's canned queries, within noise): DuckDB joins the
-key table of a few rows into the scan. Edit those tables through `stored_table()`, as views take no
-UPDATE, DELETE or INSERT; `insert_rows()` inserts rows that carry the process columns. After the shards,
-ingest derives `requests` (one row per request) and the session-level tables (`sessions`, `procs`,
-`probes`, `ingest_issues`). Re-ingesting a session replaces its rows, so ingest is idempotent.
+writes are the same on every row, yet DuckDB pays for them per row on insert (the session string
+most): on bench_scale's 10 M-event session the key made ingest 13% faster (docs/performance.md).
+Queries see the same names, columns and types, and run as fast (bench_scale's canned queries, within
+noise): DuckDB joins the key table of a few rows into the scan. Edit those tables through
+`stored_table()`, as views take no UPDATE, DELETE or INSERT; `insert_rows()` inserts rows that carry
+the process columns.
+
+After the shards, ingest derives `requests` (one row per request) and the session-level tables
+(`sessions`, `procs`, `probes`, `ingest_issues`). Re-ingesting a session replaces its rows, so ingest
+is idempotent.
 
 Loading streams: shard batches (a recorder flush each, often a few hundred rows) are gathered into
 one INSERT of up to `INSERT_ROWS` rows / `INSERT_BYTES` bytes, because DuckDB's cost per statement
@@ -42,10 +45,12 @@ DUCK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER", "int64
               "double": "DOUBLE", "string": "VARCHAR", "list<item: int32>": "INTEGER[]",
               "list<item: int64>": "BIGINT[]"}
 
-# Columns of the DuckDB tables that differ from the shard columns.
-STORE = "kvtrace_store"  # the schema of the keyed tables' rows (see the module docstring)
+# The tables stored with a process key, and where (see the module docstring).
+STORE = "kvtrace_store"
 KEYED_TABLES = ("step_requests", "batch_slots", "kv_access", "layer_timings")
 PROC_KEYS_DDL = f"CREATE TABLE IF NOT EXISTS {STORE}.proc_keys (proc INTEGER, session VARCHAR, rank INTEGER, pid INTEGER)"
+
+# Columns of the DuckDB tables that differ from the shard columns.
 UNNESTED = {"block_events": ("block_ids", "block_hashes", "block_id INTEGER", "block_hash BIGINT")}
 EXTRA_COLUMNS = {"kv_access": ["request_id VARCHAR"]}
 
