@@ -174,6 +174,8 @@ def test_corpus_is_what_the_script_makes(tmp_path):
     """The checked-in corpus equals a fresh run of the script (so the script is the documentation)."""
     fresh = corpus.main(tmp_path / "bad")
     ours = sorted(p.relative_to(BAD) for p in BAD.rglob("*") if p.is_file())
+    if not corpus.NSYS_BASE.exists():  # a checkout without ../shared: the script skips the nsys inputs
+        ours = [p for p in ours if not p.name.startswith("nsys_")]
     theirs = sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
     assert ours == theirs
     for rel in ours:
