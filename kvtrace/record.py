@@ -157,13 +157,15 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
     return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N, as a shell does
 
 
-def request_flush(session_dir: Path, timeout_s: float = 2.0, pgid: int | None = None) -> None:
+def request_flush(session_dir: Path, timeout_s: float = 2.0, pgid: int | None = None,
+                  pids: set[int] | None = None) -> None:
     """Ask every recording process of this host to write what it holds (SIGUSR2), and wait a moment.
 
     vLLM's front end kills its engine right after asking it to stop, so the engine's last rows must be
     on disk before the stop signal goes out. With `pgid`, only processes of that process group (the
     recorded command's) are signalled: a recorded process that was killed stays `running` in its
-    proc.json, and its pid may since belong to an unrelated process, which SIGUSR2 would terminate."""
+    proc.json, and its pid may since belong to an unrelated process, which SIGUSR2 would terminate.
+    With `pids`, only those (live processes the caller knows: probes/engine_stop.py)."""
     import socket
 
     asked: dict[Path, int] = {}
@@ -172,6 +174,8 @@ def request_flush(session_dir: Path, timeout_s: float = 2.0, pgid: int | None = 
         proc = read_proc(p)
         pid = int(proc.get("pid") or 0)
         if pid <= 0 or proc.get("host", host) != host or proc.get("status") in ("complete", "flushed"):
+            continue
+        if pids is not None and pid not in pids:
             continue
         if pgid is not None:
             try:

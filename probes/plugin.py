@@ -21,7 +21,8 @@ def probe_classes() -> list[type]:
 
     classes: list[type] = [SchedulerProbe, BlockPoolProbe, PrefixCacheProbe]
     for module, cls in (("kvtrace.probes.connector", "ConnectorProbe"),
-                        ("kvtrace.probes.attention", "AttentionProbe")):
+                        ("kvtrace.probes.attention", "AttentionProbe"),
+                        ("kvtrace.probes.engine_stop", "EngineStopProbe")):
         try:
             classes.append(getattr(__import__(module, fromlist=[cls]), cls))
         except (ImportError, AttributeError):
