@@ -213,20 +213,23 @@ def _group_running(pgid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     try:
-        entries = os.listdir("/proc")
+        return any(len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X")
+                   for _pid, fields in proc_stats())
     except OSError:
         return True  # no /proc: the signal test is all there is
-    for entry in entries:
+
+
+def proc_stats() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, fields of /proc/PID/stat after "pid (comm)": state, ppid, pgrp, ...) of every process; a
+    process gone while listed is skipped. OSError (on the first item) when there is no /proc."""
+    for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)", which may hold spaces
+                yield int(entry), f.read().rsplit(b")", 1)[1].split()  # comm may hold spaces and ")"
         except (OSError, IndexError):
             continue
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
 
 
 @contextlib.contextmanager

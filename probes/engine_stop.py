@@ -15,7 +15,6 @@ process that is not recording, or has already closed, is not signalled.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from kvtrace.probes.base import Probe
@@ -26,20 +25,15 @@ FLUSH_WAIT_S = 2.0  # seconds the stop may be delayed, at most, while the engine
 
 def descendants(pids: set[int]) -> set[int]:
     """`pids` and every process below them (workers are the engine's children), from /proc."""
+    from kvtrace.record import proc_stats
+
     children: dict[int, list[int]] = {}
     try:
-        entries = os.listdir("/proc")
+        for pid, fields in proc_stats():
+            if len(fields) > 1:
+                children.setdefault(int(fields[1]), []).append(pid)
     except OSError:
-        return set(pids)
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)", which may hold spaces
-            children.setdefault(int(fields[1]), []).append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
+        return set(pids)  # no /proc: the processes vLLM named are all there is
     found, todo = set(pids), list(pids)
     while todo:
         for child in children.get(todo.pop(), ()):
@@ -63,13 +57,13 @@ class EngineStopProbe(Probe):
         probe = self
 
         def make(orig):
-            def shutdown(procs, timeout=None):
+            def shutdown(procs, *args, **kwargs):
                 if probe.enabled:
                     try:
                         probe.flush_before_stop(procs)
                     except Exception as exc:
                         probe.fail(exc)
-                return orig(procs, timeout=timeout)
+                return orig(procs, *args, **kwargs)  # whatever else vLLM passes, passed on as given
             return shutdown
 
         self.patch(module, "shutdown", make)
