@@ -1,17 +1,21 @@
 """Loading a session into DuckDB: one table per recorded table, plus what ingest derives.
 
 Every row gets the process columns (`session`, `rank`, `pid`). Block events are unnested to one row
-per block; device access records get their request id from the worker's batch slots.
+per block; device access records get their request id from the worker's batch slots (same process,
+step and slot).
 
-The per-step tables, millions of rows in a long run (`KEYED_TABLES`), store a process key instead:
-`kvtrace_store.<table>` has `proc INTEGER` where the others have the three process columns, and
-`main.<table>` is a view that joins them back from `kvtrace_store.proc_keys`. The values a process
-writes are the same on every row, yet DuckDB pays for them per row on insert (the session string
-most): on bench_scale's 10 M-event session the key made ingest 13% faster (docs/performance.md).
-Queries see the same names, columns and types, and run as fast (bench_scale's canned queries, within
-noise): DuckDB joins the key table of a few rows into the scan. Edit those tables through
-`stored_table()`, as views take no UPDATE, DELETE or INSERT; `insert_rows()` inserts rows that carry
-the process columns.
+The per-step tables, millions of rows in a long run (`KEYED_TABLES`), store keys instead of values
+that repeat on every row: `kvtrace_store.<table>` has `proc INTEGER` where the others have the three
+process columns (into `kvtrace_store.proc_keys`), `request_key INTEGER` for `request_id` in
+step_requests and batch_slots (into `kvtrace_store.request_keys`, per session), and UTINYINT codes for
+the labels `phase` and `kind` (into `kvtrace_store.labels`). `main.<table>` is a view with the same
+name, columns and types that joins the values back. DuckDB pays per row on insert for such values (a
+text column costs several integer ones): on bench_scale's 10 M-event session the process key made
+ingest 13% faster, the request keys and labels another ~5% (CPU -7%), and the file 7% smaller
+(docs/performance.md). Queries see the same rows and run about as fast: DuckDB joins key tables of a
+few rows (processes, labels) or a few thousand (requests) into the scan. Edit those tables through
+`stored_table()`, as views take no UPDATE, DELETE or INSERT; `insert_rows()` inserts rows as the view
+shows them. A database written by an older kvtrace is converted on its next ingest.
 
 After the shards, ingest derives `requests` (one row per request) and the session-level tables
 (`sessions`, `procs`, `probes`, `ingest_issues`). Re-ingesting a session replaces its rows, so ingest
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -45,10 +50,23 @@ DUCK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER", "int64
               "double": "DOUBLE", "string": "VARCHAR", "list<item: int32>": "INTEGER[]",
               "list<item: int64>": "BIGINT[]"}
 
-# The tables stored with a process key, and where (see the module docstring).
+# The tables stored with keys, and where (see the module docstring).
 STORE = "kvtrace_store"
 KEYED_TABLES = ("step_requests", "batch_slots", "kv_access", "layer_timings")
-PROC_KEYS_DDL = f"CREATE TABLE IF NOT EXISTS {STORE}.proc_keys (proc INTEGER, session VARCHAR, rank INTEGER, pid INTEGER)"
+# Text columns of the keyed tables stored as a small integer into a key table (the view gives the text):
+# request ids as `request_key` into `request_keys` (per session; key 0 is the null request id, so the
+# view's join is an inner one, which DuckDB may reorder and filter through), labels (a few values:
+# prefill, decode, ...) as a UTINYINT code into `labels` (1-based position in the list of label texts).
+# Not kv_access's request id: queries of device accesses rarely want it, and the join would cost them.
+REQUEST_KEYED = ("step_requests", "batch_slots")
+NULL_REQUEST_KEY = 0
+LABEL_COLUMNS = {"step_requests": ("phase", "kind")}
+KNOWN_LABELS = ("prefill", "decode", "new", "resumed", "running")  # codes 1.. on a new database
+KEY_TABLES_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {STORE}.proc_keys (proc INTEGER, session VARCHAR, rank INTEGER, pid INTEGER)",
+    f"CREATE TABLE IF NOT EXISTS {STORE}.request_keys (request_key INTEGER, session VARCHAR, request_id VARCHAR)",
+    f"CREATE TABLE IF NOT EXISTS {STORE}.labels (label UTINYINT, text VARCHAR)",
+)
 
 # Columns of the DuckDB tables that differ from the shard columns.
 UNNESTED = {"block_events": ("block_ids", "block_hashes", "block_id INTEGER", "block_hash BIGINT")}
@@ -125,10 +143,15 @@ def markdown() -> str:
            "- `kv_access` has a trailing `request_id` VARCHAR, taken from the worker's `batch_slots` "
            "(same pid, step and slot).", "",
            f"The per-step tables ({', '.join(f'`{t}`' for t in KEYED_TABLES)}) are views with the same "
-           f"columns: their rows are stored in `{STORE}.<table>` with a `proc` INTEGER key in place of "
-           f"the process columns, which the view joins back from `{STORE}.proc_keys` (proc, session, rank, "
-           "pid). Read them as tables; change rows (UPDATE, DELETE) in the stored table. A database "
-           "written by an older kvtrace, with plain tables there, is converted on its next ingest.", "",
+           f"columns: their rows are stored in `{STORE}.<table>` with keys in place of values that repeat "
+           f"on every row, which the view joins back: a `proc` INTEGER for the process columns "
+           f"(`{STORE}.proc_keys`: proc, session, rank, pid), a `request_key` INTEGER for `request_id` in "
+           f"step_requests and batch_slots (`{STORE}.request_keys`: request_key, session, request_id; key "
+           f"0 is the null id), and UTINYINT codes for the labels `phase` and `kind` of step_requests "
+           f"(`{STORE}.labels`: label, text). Read them as tables; change rows (UPDATE, DELETE) in the "
+           "stored table, and request ids in the key table. A database written by an older kvtrace, with "
+           "plain tables there or text in place of the request and label keys, is converted on its next "
+           "ingest.", "",
            "It derives these tables per session. The Parquet dataset (docs/dataset.md) has the same "
            "tables and columns; Nsight Systems tables are in docs/nsys.md."]
     for table, cols in SESSION_TABLES.items():
@@ -156,25 +179,53 @@ def stored_table(table: str) -> str:
     return f"{STORE}.{table}" if table in KEYED_TABLES else table
 
 
-def table_ddl(table: str) -> str:
-    keyed = table in KEYED_TABLES
-    cols = ["proc INTEGER"] if keyed else [f"{c.name} {duck_type(c.type)}" for c in schema.PROCESS_COLUMNS]
+def view_columns(table: str) -> list[str]:
+    """`table`'s columns as queries see them ("name TYPE"): process columns, shard columns (block lists
+    unnested), extra columns."""
     list_col, hash_col, id_def, hash_def = UNNESTED.get(table, (None, None, None, None))
+    cols = [f"{c.name} {duck_type(c.type)}" for c in schema.PROCESS_COLUMNS]
     for c in schema.TABLES[table]:
-        if c.name == list_col:
-            cols.append(id_def)
-        elif c.name == hash_col:
-            cols.append(hash_def)
+        cols.append(id_def if c.name == list_col else hash_def if c.name == hash_col
+                    else f"{c.name} {duck_type(c.type)}")
+    return cols + EXTRA_COLUMNS.get(table, [])
+
+
+def stored_columns(table: str) -> list[str]:
+    """`table`'s columns as stored ("name TYPE"): for a keyed table, `proc` in place of the process
+    columns, `request_key` in place of `request_id`, label codes in place of label texts."""
+    if table not in KEYED_TABLES:
+        return view_columns(table)
+    cols = ["proc INTEGER"]
+    for col in view_columns(table)[len(schema.PROCESS_COLUMNS):]:
+        name = col.split()[0]
+        if name == "request_id" and table in REQUEST_KEYED:
+            cols.append("request_key INTEGER")
+        elif name in LABEL_COLUMNS.get(table, ()):
+            cols.append(f"{name} UTINYINT")
         else:
-            cols.append(f"{c.name} {duck_type(c.type)}")
-    cols += EXTRA_COLUMNS.get(table, [])
-    return f"CREATE TABLE IF NOT EXISTS {stored_table(table)} ({', '.join(cols)})"
+            cols.append(col)
+    return cols
+
+
+def table_ddl(table: str) -> str:
+    return f"CREATE TABLE IF NOT EXISTS {stored_table(table)} ({', '.join(stored_columns(table))})"
 
 
 def keyed_view_ddl(table: str) -> str:
-    """The view that gives a keyed table its process columns back (same columns, same order)."""
-    return (f"CREATE VIEW IF NOT EXISTS {table} AS SELECT k.session, k.rank, k.pid, r.* EXCLUDE (proc) "
-            f"FROM {STORE}.{table} r JOIN {STORE}.proc_keys k USING (proc)")
+    """The view that gives a keyed table its process columns, request ids and labels back (the same
+    columns, in the same order, as `view_columns`)."""
+    labels = LABEL_COLUMNS.get(table, ())
+    select = ["p.session", "p.rank", "p.pid"]
+    for col in view_columns(table)[len(schema.PROCESS_COLUMNS):]:
+        name = col.split()[0]
+        select.append("q.request_id" if name == "request_id" and table in REQUEST_KEYED else
+                      f"l.texts[r.{name}] AS {name}" if name in labels else f"r.{name}")
+    source = f"{STORE}.{table} r JOIN {STORE}.proc_keys p USING (proc)"
+    if table in REQUEST_KEYED:
+        source += f" JOIN {STORE}.request_keys q USING (request_key)"
+    if labels:
+        source += f" CROSS JOIN (SELECT list(text ORDER BY label) AS texts FROM {STORE}.labels) l"
+    return f"CREATE VIEW IF NOT EXISTS {table} AS SELECT {', '.join(select)} FROM {source}"
 
 
 def create_tables(con: duckdb.DuckDBPyConnection) -> None:
@@ -195,12 +246,23 @@ def create_tables(con: duckdb.DuckDBPyConnection) -> None:
 
 def _create_tables(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(f"CREATE SCHEMA IF NOT EXISTS {STORE}")
-    con.execute(PROC_KEYS_DDL)
+    for ddl in KEY_TABLES_DDL:
+        con.execute(ddl)
+    if not con.execute(f"SELECT count(*) FROM {STORE}.request_keys WHERE request_key = {NULL_REQUEST_KEY}"
+                       ).fetchall()[0][0]:
+        con.execute(f"INSERT INTO {STORE}.request_keys VALUES ({NULL_REQUEST_KEY}, NULL, NULL)")
+    if not con.execute(f"SELECT count(*) FROM {STORE}.labels").fetchall()[0][0]:
+        con.executemany(f"INSERT INTO {STORE}.labels VALUES (?, ?)",
+                        [[code, text] for code, text in enumerate(KNOWN_LABELS, 1)])
     for table in schema.TABLES:
+        older = _older_layout(con, table) if table in KEYED_TABLES else None
         con.execute(table_ddl(table))
-    for table in KEYED_TABLES:
-        _store_legacy_table(con, table)
-        con.execute(keyed_view_ddl(table))
+        if older is not None:
+            source, drop = older
+            store_view_rows(con, table, source)
+            con.execute(drop)
+        if table in KEYED_TABLES:
+            con.execute(keyed_view_ddl(table))
     for table, cols in SESSION_TABLES.items():
         con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
     con.execute("CREATE TABLE IF NOT EXISTS kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)")
@@ -211,23 +273,75 @@ def _create_tables(con: duckdb.DuckDBPyConnection) -> None:
                 [str(schema.SCHEMA_VERSION)])
 
 
-def _store_legacy_table(con: duckdb.DuckDBPyConnection, table: str) -> None:
-    """A database from an older kvtrace holds `table` as a plain table with the process columns: move
-    its rows into the keyed store (one key per process) and drop it, so the view can take its name."""
+def _older_layout(con: duckdb.DuckDBPyConnection, table: str) -> tuple[str, str] | None:
+    """A database from an older kvtrace holds keyed `table` as a plain table with the process columns,
+    or stored with a process key but with its request ids and labels as text. Either way: set the old
+    rows aside and return (a relation that reads them with the view's columns, the statement that
+    drops them), for `store_view_rows` to move them into the new store; None if the layout is current."""
     kind = con.execute("SELECT table_type FROM information_schema.tables WHERE table_schema = 'main' AND "
                        "table_name = ?", [table]).fetchall()
-    if not kind or kind[0][0] != "BASE TABLE":
-        return
+    if kind and kind[0][0] == "BASE TABLE":
+        return f"main.{table}", f"DROP TABLE main.{table}"
+    stored = _columns(con, STORE, table)
+    if not stored or stored == [c.split()[0] for c in stored_columns(table)]:
+        return None
+    con.execute(f"DROP VIEW IF EXISTS main.{table}")
+    con.execute(f"ALTER TABLE {STORE}.{table} RENAME TO {table}_older")
+    return (f"(SELECT k.session, k.rank, k.pid, r.* EXCLUDE (proc) FROM {STORE}.{table}_older r "
+            f"JOIN {STORE}.proc_keys k USING (proc))", f"DROP TABLE {STORE}.{table}_older")
+
+
+def store_view_rows(con: duckdb.DuckDBPyConnection, table: str, source: str) -> None:
+    """INSERT into keyed `table`'s store the rows of `source` (a table or subquery with the view's
+    column names; missing trailing columns read as null), adding the keys and labels they need.
+    For moving older layouts and for rows written by hand (`insert_rows`), not for ingest's bulk path."""
+    src = f"kvtrace_src_{table}"
+    con.execute(f"CREATE OR REPLACE TEMP VIEW {src} AS SELECT * FROM {source}")
+    have = {r[0] for r in con.execute(f"DESCRIBE {src}").fetchall()}
     con.execute(f"""INSERT INTO {STORE}.proc_keys
         SELECT (SELECT coalesce(max(proc), 0) FROM {STORE}.proc_keys) + row_number() OVER (), session, rank, pid
-        FROM (SELECT DISTINCT session, rank, pid FROM main.{table}
+        FROM (SELECT DISTINCT session, rank, pid FROM {src}
               EXCEPT SELECT session, rank, pid FROM {STORE}.proc_keys)""")
-    have = set(_columns(con, "main", table))  # an older table may lack trailing columns: null there
-    cols = ", ".join(f"t.{c}" if c in have else "NULL" for c in _columns(con, STORE, table) if c != "proc")
-    con.execute(f"""INSERT INTO {STORE}.{table} SELECT k.proc, {cols} FROM main.{table} t
-        JOIN {STORE}.proc_keys k ON k.session IS NOT DISTINCT FROM t.session
-            AND k.rank IS NOT DISTINCT FROM t.rank AND k.pid IS NOT DISTINCT FROM t.pid""")
-    con.execute(f"DROP TABLE main.{table}")
+    joins = f"""JOIN {STORE}.proc_keys k ON k.session IS NOT DISTINCT FROM t.session
+            AND k.rank IS NOT DISTINCT FROM t.rank AND k.pid IS NOT DISTINCT FROM t.pid"""
+    if table in REQUEST_KEYED and "request_id" in have:
+        con.execute(f"""INSERT INTO {STORE}.request_keys
+            SELECT (SELECT coalesce(max(request_key), 0) FROM {STORE}.request_keys) + row_number() OVER (),
+                session, request_id
+            FROM (SELECT DISTINCT session, request_id FROM {src} WHERE request_id IS NOT NULL
+                  EXCEPT SELECT session, request_id FROM {STORE}.request_keys)""")
+        joins += f" LEFT JOIN {STORE}.request_keys q ON q.session = t.session AND q.request_id = t.request_id"
+    for name in LABEL_COLUMNS.get(table, ()):
+        if name in have:
+            _add_labels(con, [r[0] for r in con.execute(f"SELECT DISTINCT {name} FROM {src} WHERE {name} IS NOT "
+                                                        f"NULL EXCEPT SELECT text FROM {STORE}.labels").fetchall()])
+            joins += f" LEFT JOIN {STORE}.labels l_{name} ON l_{name}.text = t.{name}"
+    select = ["k.proc"]
+    for col in stored_columns(table)[1:]:
+        name = col.split()[0]
+        select.append(f"coalesce(q.request_key, {NULL_REQUEST_KEY})" if name == "request_key" and "request_id" in have else
+                      f"l_{name}.label" if name in LABEL_COLUMNS.get(table, ()) and name in have else
+                      f"t.{name}" if name in have else "NULL")
+    con.execute(f"INSERT INTO {STORE}.{table} SELECT {', '.join(select)} FROM {src} t {joins}")
+    con.execute(f"DROP VIEW {src}")
+
+
+def _check_label_count(n: int) -> None:
+    if n > 255:  # codes are UTINYINT
+        raise KvtraceError(f"more than 255 distinct values in the label columns "
+                           f"({', '.join(f'{t}.{c}' for t, cs in LABEL_COLUMNS.items() for c in cs)}): "
+                           f"not what kvtrace writes")
+
+
+def _add_labels(con: duckdb.DuckDBPyConnection, texts: list[str]) -> dict[str, int]:
+    """Give `texts` label codes (those not yet in `labels`); returns every label's code."""
+    labels = dict(con.execute(f"SELECT text, label FROM {STORE}.labels").fetchall())
+    new = [t for t in dict.fromkeys(texts) if t not in labels]
+    _check_label_count(len(labels) + len(new))
+    for text in new:
+        labels[text] = len(labels) + 1
+        con.execute(f"INSERT INTO {STORE}.labels VALUES (?, ?)", [labels[text], text])
+    return labels
 
 
 def _columns(con: duckdb.DuckDBPyConnection, schema_name: str, table: str) -> list[str]:
@@ -259,15 +373,11 @@ def insert_rows(con: duckdb.DuckDBPyConnection, table: str, rows: list[tuple]) -
         marks = ", ".join("?" * len(rows[0]))
         con.executemany(f"INSERT INTO {table} VALUES ({marks})", [list(r) for r in rows])
         return
-    keys: dict[tuple, int] = {}
-    out = []
-    for session, rank, pid, *rest in rows:
-        key = keys.get((session, rank, pid))
-        if key is None:
-            key = keys[(session, rank, pid)] = proc_key(con, session, rank, pid, new=False)
-        out.append([key, *rest])
-    marks = ", ".join("?" * len(out[0]))
-    con.executemany(f"INSERT INTO {stored_table(table)} VALUES ({marks})", out)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE kvtrace_rows ({', '.join(view_columns(table))})")
+    marks = ", ".join("?" * len(rows[0]))
+    con.executemany(f"INSERT INTO kvtrace_rows VALUES ({marks})", [list(r) for r in rows])
+    store_view_rows(con, table, "kvtrace_rows")
+    con.execute("DROP TABLE kvtrace_rows")
 
 
 def open_db(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
@@ -350,12 +460,13 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     restore = _cap_memory(con)
     con.execute("BEGIN TRANSACTION")
     try:
+        keys = _SessionKeys(con, sid)
         for _proc_dir, proc, shards in shards_by_proc:
             if proc.get("status") not in ("complete", "flushed"):
                 incomplete = True
             rank, pid = int(proc.get("rank", 0) or 0), int(proc.get("pid", 0) or 0)
             consts = (sid, rank, pid, proc_key(con, sid, rank, pid))
-            loader = _Gather(con, consts)
+            loader = _Gather(con, consts, keys)
             try:
                 if _load_shards(shards, loader, bar, rows, issues):
                     incomplete = True
@@ -434,6 +545,69 @@ def _delete_session(con: duckdb.DuckDBPyConnection, sid: str) -> None:
         else:
             con.execute(f"DELETE FROM {table} WHERE session = ?", [sid])
     con.execute(f"DELETE FROM {STORE}.proc_keys WHERE session = ?", [sid])
+    con.execute(f"DELETE FROM {STORE}.request_keys WHERE session = ?", [sid])
+
+
+class _SessionKeys:
+    """Turns one session's request ids and labels into the keys the store holds, in bulk (Arrow
+    compute, no Python per row), remembering the keys it gave; the new ones are inserted with the
+    chunk that first uses them (`take_new`)."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, sid: str):
+        self.sid = sid
+        # The session's keys were deleted with its rows: its requests get keys after every other's.
+        self.first_key = con.execute(f"SELECT coalesce(max(request_key), 0) + 1 FROM {STORE}.request_keys"
+                                     ).fetchall()[0][0]
+        self.request_ids: dict[str, None] = {}  # in key order: key = first_key + position
+        self.known_ids = pa.array([], pa.string())
+        self.new_ids: list[str] = []
+        self.labels = dict(con.execute(f"SELECT text, label FROM {STORE}.labels").fetchall())
+        self.known_labels = self._label_array()
+        self.new_labels: list[tuple[int, str]] = []
+
+    def _label_array(self) -> pa.Array:
+        return pa.array([t for t, _ in sorted(self.labels.items(), key=lambda kv: kv[1])], pa.string())
+
+    def encode(self, table: str, data: pa.Table) -> pa.Table:
+        """`data` (shard columns) with the columns the store keeps as keys replaced by those keys."""
+        if table in REQUEST_KEYED and "request_id" in data.column_names:
+            i = data.column_names.index("request_id")
+            data = data.set_column(i, "request_key", self._request_keys(data.column(i)))
+        for name in LABEL_COLUMNS.get(table, ()):
+            if name in data.column_names:
+                i = data.column_names.index(name)
+                data = data.set_column(i, name, self._label_codes(table, name, data.column(i)))
+        return data
+
+    def _request_keys(self, ids: pa.ChunkedArray) -> pa.ChunkedArray:
+        pos = pc.index_in(ids, value_set=self.known_ids)
+        if pos.null_count > ids.null_count:  # ids this session has not given a key yet
+            for rid in pc.unique(ids).to_pylist():
+                if rid is not None and rid not in self.request_ids:
+                    self.request_ids[rid] = None
+                    self.new_ids.append(rid)
+            self.known_ids = pa.array(list(self.request_ids), pa.string())
+            pos = pc.index_in(ids, value_set=self.known_ids)
+        return pc.fill_null(pc.add(pos, pa.scalar(self.first_key, pa.int32())), NULL_REQUEST_KEY)
+
+    def _label_codes(self, table: str, name: str, texts: pa.ChunkedArray) -> pa.ChunkedArray:
+        pos = pc.index_in(texts, value_set=self.known_labels)
+        if pos.null_count > texts.null_count:
+            new = [t for t in pc.unique(texts).to_pylist() if t is not None and t not in self.labels]
+            _check_label_count(len(self.labels) + len(new))
+            for text in new:
+                self.labels[text] = len(self.labels) + 1
+                self.new_labels.append((self.labels[text], text))
+            self.known_labels = self._label_array()
+            pos = pc.index_in(texts, value_set=self.known_labels)
+        return pc.cast(pc.add(pos, pa.scalar(1, pa.int32())), pa.uint8())
+
+    def take_new(self) -> tuple[list[str], list[tuple[int, str]], int]:
+        """The request ids and labels given keys since the last call, and the first new request key."""
+        first = self.first_key + len(self.request_ids) - len(self.new_ids)
+        ids, labels = self.new_ids, self.new_labels
+        self.new_ids, self.new_labels = [], []
+        return ids, labels, first
 
 
 class _Gather:
@@ -444,8 +618,8 @@ class _Gather:
     connection is the helper's until `wait()` returns; `wait()` re-raises the INSERT's error.
     """
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, consts: tuple):
-        self.con, self.consts = con, consts
+    def __init__(self, con: duckdb.DuckDBPyConnection, consts: tuple, keys: _SessionKeys):
+        self.con, self.consts, self.keys = con, consts, keys
         self.table: str | None = None
         self.batches: list[pa.RecordBatch] = []
         self.rows = self.nbytes = 0
@@ -470,17 +644,23 @@ class _Gather:
             # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
             # (a third less CPU than scanning recorder-sized batches), still enough of them to scan in
             # parallel.
-            data = pa.Table.from_batches(self.batches).combine_chunks()
+            data = pa.Table.from_batches(self.batches)
+            if self.table in KEYED_TABLES:  # before the copy: the key columns are smaller than the text
+                data = self.keys.encode(self.table, data)
+            data = data.combine_chunks()
             data = pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP))
+            new_keys = self.keys.take_new()
+            ids = (self.keys.known_ids, self.keys.first_key)  # kv_access's, once its batch_slots are in
             self.wait()  # kv_access needs its batch_slots in; one chunk in flight bounds memory
-            self._thread = threading.Thread(target=self._run, args=(self.table, data), daemon=True,
-                                            name="kvtrace-insert")
+            self._thread = threading.Thread(target=self._run, args=(self.table, data, new_keys, ids),
+                                            daemon=True, name="kvtrace-insert")
             self._thread.start()
         self.batches, self.rows, self.nbytes = [], 0, 0
 
-    def _run(self, table: str, data: pa.Table) -> None:
+    def _run(self, table: str, data: pa.Table, new_keys: tuple, ids: tuple) -> None:
         try:
-            _insert(self.con, table, data, self.consts)
+            _insert_keys(self.con, self.keys.sid, *new_keys)
+            _insert(self.con, table, data, self.consts, ids)
         except BaseException as exc:  # handed to the caller by wait()
             self._error = exc
 
@@ -493,8 +673,22 @@ class _Gather:
             raise error
 
 
-def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | pa.Table, consts: tuple) -> None:
-    """INSERT one gathered chunk of `table`'s shard rows (a RecordBatch or a Table of many)."""
+def _insert_keys(con: duckdb.DuckDBPyConnection, sid: str, request_ids: list[str],
+                 labels: list[tuple[int, str]], first_key: int) -> None:
+    """INSERT the request keys (consecutive from `first_key`) and labels a chunk is the first to use."""
+    if request_ids:
+        keys = pa.table({"request_key": pa.array(range(first_key, first_key + len(request_ids)), pa.int32()),
+                         "request_id": pa.array(request_ids, pa.string())})
+        con.from_arrow(keys).query("kvtrace_keys", f"INSERT INTO {STORE}.request_keys "
+                                   f"SELECT request_key, '{_sql_str(sid)}', request_id FROM kvtrace_keys")
+    for label, text in labels:
+        con.execute(f"INSERT INTO {STORE}.labels VALUES (?, ?)", [label, text])
+
+
+def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | pa.Table, consts: tuple,
+            request_ids: tuple[pa.Array, int] | None = None) -> None:
+    """INSERT one gathered chunk of `table`'s shard rows (a RecordBatch or a Table of many); kv_access
+    needs `request_ids`: the session's request ids in key order, and the key of the first."""
     n = batch.num_rows
     if n == 0:
         return
@@ -512,18 +706,53 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | 
             f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in cols)
         rel.query("kvtrace_batch", f"INSERT INTO {table} SELECT {head}, {select} FROM kvtrace_batch")
     elif table == "kv_access":
-        # Only the batch_slots rows of this chunk's steps: they were loaded in step order, so
-        # DuckDB's min/max per row group skips the rest (a whole-table join per chunk is quadratic).
-        lo, hi = (pc.min_max(data.column("step"))[k].as_py() for k in ("min", "max"))
-        rel.query("kvtrace_batch", f"""INSERT INTO {STORE}.kv_access SELECT {key}, k.*, s.request_id
-            FROM kvtrace_batch k LEFT JOIN (
-              SELECT step, slot, request_id FROM {STORE}.batch_slots
-              WHERE proc = {key} AND step BETWEEN {lo} AND {hi}) s
-            ON s.step = k.step AND s.slot = k.slot""")
+        ids, first_key = request_ids
+        data = data.append_column("request_id", ids.take(_access_request_keys(con, key, data, first_key)))
+        con.from_arrow(data).query("kvtrace_batch", f"INSERT INTO {STORE}.kv_access SELECT {key}::INTEGER, * "
+                                   "FROM kvtrace_batch")
     elif table in KEYED_TABLES:
         rel.query("kvtrace_batch", f"INSERT INTO {STORE}.{table} SELECT {key}::INTEGER, * FROM kvtrace_batch")
     else:
         rel.query("kvtrace_batch", f"INSERT INTO {table} SELECT {head}, * FROM kvtrace_batch")
+
+
+def _access_request_keys(con: duckdb.DuckDBPyConnection, proc: int, data: pa.Table, first_key: int) -> pa.Array:
+    """For each device access row, the position among the session's request ids (its request key less
+    `first_key`) of its process's `batch_slots` row with the same step and slot; null without one.
+
+    Among the batch slots of the chunk's steps only (loaded in step order, so DuckDB's min/max per row
+    group skips the rest). In numpy rather than a SQL join, which cost as much and did not keep the
+    rows' order (by step: stored out of order they compress 3x worse). A step's slots are consecutive
+    rows, so a row's position is its step's first row plus its slot; checked, and searched where not."""
+    steps = pc.fill_null(data.column("step"), -1).to_numpy()
+    slots = pc.fill_null(data.column("slot"), -1).to_numpy()
+    lo, hi = int(steps.min()), int(steps.max())
+    have = con.sql(f"SELECT step, slot, request_key FROM {STORE}.batch_slots WHERE proc = {int(proc)} AND step "
+                   f"BETWEEN {lo} AND {hi} AND slot IS NOT NULL").to_arrow_table()
+    if not have.num_rows:
+        return pa.nulls(len(steps), pa.int32())
+    have_steps, have_slots = have.column("step").to_numpy(), have.column("slot").to_numpy()
+    keys = pc.fill_null(have.column("request_key"), NULL_REQUEST_KEY).to_numpy()
+    pairs = _step_slot(have_steps, have_slots)
+    if not (pairs[1:] >= pairs[:-1]).all():
+        order = np.argsort(pairs, kind="stable")
+        pairs, keys, have_steps, have_slots = pairs[order], keys[order], have_steps[order], have_slots[order]
+    starts = np.flatnonzero(np.r_[True, have_steps[1:] != have_steps[:-1]])
+    first_row = np.full(hi - lo + 1, -1, dtype=np.int64)
+    first_row[have_steps[starts] - lo] = starts
+    wanted = _step_slot(steps, slots)
+    row = first_row[steps - lo]
+    at = (row + slots - have_slots[row]).clip(0, len(pairs) - 1)
+    off = pairs[at] != wanted
+    if off.any():
+        at[off] = np.searchsorted(pairs, wanted[off]).clip(0, len(pairs) - 1)
+    found = (pairs[at] == wanted) & (keys[at] != NULL_REQUEST_KEY)
+    return pa.array(keys[at] - first_key, pa.int32(), mask=~found)
+
+
+def _step_slot(steps: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """(step, slot) pairs as one sortable int64 (slots are rows of a batch: far below 2^31)."""
+    return (steps.astype(np.int64) << 32) | (slots.astype(np.int64) & 0xFFFFFFFF)
 
 
 def _sql_str(s: str) -> str:

@@ -164,8 +164,8 @@ def test_ingest_gathers_batches_into_few_inserts(tmp_path, monkeypatch):
     batches = sum(1 for p in proc_dirs(tmp_path / "s") for s in list_shards(p) for _ in read_shard(s, ShardRead()))
     calls: list[int] = []
     real_insert = duckdb_load._insert
-    monkeypatch.setattr(duckdb_load, "_insert", lambda con, t, data, c: (calls.append(data.num_rows),
-                                                                         real_insert(con, t, data, c)))
+    monkeypatch.setattr(duckdb_load, "_insert", lambda con, t, data, *rest: (calls.append(data.num_rows),
+                                                                             real_insert(con, t, data, *rest)))
     ingest([tmp_path / "s"], tmp_path / "big.duckdb")
     assert sum(calls) == 40_000 and len(calls) <= len(schema.TABLES) * 2 < batches
     big = len(calls)
@@ -176,39 +176,65 @@ def test_ingest_gathers_batches_into_few_inserts(tmp_path, monkeypatch):
     assert table_digests(tmp_path / "big.duckdb") == table_digests(tmp_path / "small.duckdb")
 
 
-def test_keyed_tables_read_like_tables_and_older_databases_are_migrated(tmp_path):
-    """The per-step tables are stored with a process key (duckdb_load.KEYED_TABLES) and read through
-    views with the process columns; re-ingest replaces a session's keyed rows; a database written
-    before (plain tables with the process columns) has its rows moved into the store on the next ingest."""
+def _make_older_layout(db: Path, layout: str) -> None:
+    """Rewrite a database into an older kvtrace's layout of the keyed tables: "plain" (tables with the
+    process columns) or "proc_key" (a process key, request ids and labels as text)."""
+    store = duckdb_load.STORE
+    con = duckdb.connect(str(db))
+    for t in duckdb_load.KEYED_TABLES:
+        con.execute(f"CREATE TABLE old_{t} AS SELECT * FROM {t}")
+        con.execute(f"DROP VIEW {t}")
+        con.execute(f"DROP TABLE {store}.{t}")
+        if layout == "plain":
+            con.execute(f"ALTER TABLE old_{t} RENAME TO {t}")
+            continue
+        con.execute(f"CREATE TABLE {store}.{t} AS SELECT k.proc, o.* EXCLUDE (session, rank, pid) FROM old_{t} o "
+                    f"JOIN {store}.proc_keys k USING (session, rank, pid)")
+        con.execute(f"DROP TABLE old_{t}")
+        con.execute(f"CREATE VIEW {t} AS SELECT k.session, k.rank, k.pid, r.* EXCLUDE (proc) FROM {store}.{t} r "
+                    f"JOIN {store}.proc_keys k USING (proc)")
+    for key_table in ("request_keys", "labels", *(["proc_keys"] if layout == "plain" else [])):
+        con.execute(f"DROP TABLE {store}.{key_table}")
+    con.close()
+
+
+@pytest.mark.parametrize("layout", ["plain", "proc_key"])
+def test_keyed_tables_read_like_tables_and_older_databases_are_migrated(tmp_path, layout):
+    """The per-step tables are stored with keys (duckdb_load.KEYED_TABLES: process, request, labels) and
+    read through views with the process columns and texts; re-ingest replaces a session's keyed rows and
+    keys; a database written before (`_make_older_layout`) has its rows moved into the store on the next
+    ingest."""
     synth.generate(tmp_path / "a", 20_000, seed=7)
     synth.generate(tmp_path / "b", 10_000, seed=8)
     db = tmp_path / "k.duckdb"
     ingest([tmp_path / "a"], db)
     con = duckdb.connect(str(db))
-    view_cols = con.execute("DESCRIBE step_requests").fetchall()
-    assert [c[0] for c in view_cols[:3]] == ["session", "rank", "pid"]
-    assert [c[0] for c in view_cols[3:]] == schema.column_names("step_requests")
+    store = duckdb_load.STORE
+    for t in duckdb_load.KEYED_TABLES:
+        view_cols = con.execute(f"DESCRIBE {t}").fetchall()
+        assert [c[0] for c in view_cols[:3]] == ["session", "rank", "pid"]
+        assert [c[0] for c in view_cols[3:]] == schema.column_names(t) + (["request_id"] if t == "kv_access" else [])
     sid_a, pids = con.execute("SELECT any_value(session), list(DISTINCT pid ORDER BY pid) FROM kv_access").fetchone()
-    [(n_keys,)] = con.execute(f"SELECT count(*) FROM {duckdb_load.STORE}.proc_keys").fetchall()
+    [(n_keys,)] = con.execute(f"SELECT count(*) FROM {store}.proc_keys").fetchall()
     assert n_keys == len(proc_dirs(tmp_path / "a"))
+    # One key per request id of the session (plus key 0, the null id), labels as their codes.
+    assert con.execute(f"SELECT count(*), count(DISTINCT request_id) FROM {store}.request_keys WHERE session = ?",
+                       [sid_a]).fetchall() == con.execute(
+        "SELECT count(DISTINCT request_id), count(DISTINCT request_id) FROM (SELECT request_id FROM step_requests "
+        "UNION ALL SELECT request_id FROM batch_slots)").fetchall()
+    assert con.execute(f"SELECT request_id FROM {store}.request_keys WHERE request_key = 0").fetchall() == [(None,)]
+    assert dict(con.execute("SELECT phase, count(*) FROM step_requests GROUP BY 1").fetchall()).keys() == \
+        {"prefill", "decode"}
     con.close()
     before = table_digests(db)
-    # Make it an older database: each keyed table a plain table with the process columns.
-    con = duckdb.connect(str(db))
-    for t in duckdb_load.KEYED_TABLES:
-        con.execute(f"CREATE TABLE old_{t} AS SELECT * FROM {t}")
-        con.execute(f"DROP VIEW {t}")
-        con.execute(f"DROP TABLE {duckdb_load.STORE}.{t}")
-        con.execute(f"ALTER TABLE old_{t} RENAME TO {t}")
-    con.execute(f"DROP TABLE {duckdb_load.STORE}.proc_keys")
-    con.close()
+    _make_older_layout(db, layout)
     assert table_digests(db) == before  # what queries see is the same in both layouts
     [rb] = ingest([tmp_path / "b"], db)
     assert rb["status"] == "complete"
     con = duckdb.connect(str(db), read_only=True)
     kinds = dict(con.execute("SELECT table_schema || '.' || table_name, table_type FROM information_schema.tables "
-                             "WHERE table_name = 'kv_access'").fetchall())
-    assert kinds == {"main.kv_access": "VIEW", f"{duckdb_load.STORE}.kv_access": "BASE TABLE"}
+                             "WHERE table_name LIKE 'kv_access%'").fetchall())
+    assert kinds == {"main.kv_access": "VIEW", f"{store}.kv_access": "BASE TABLE"}
     got = con.execute("SELECT session, list(DISTINCT pid ORDER BY pid) FROM kv_access GROUP BY 1").fetchall()
     con.close()
     assert (sid_a, pids) in got and len(got) == 2
@@ -216,15 +242,34 @@ def test_keyed_tables_read_like_tables_and_older_databases_are_migrated(tmp_path
     ingest([tmp_path / "b"], alone)
     [(sid_b,)] = q(alone, "SELECT session FROM sessions")
     assert table_digests(db, f"WHERE session = '{sid_a}'") == before  # the moved rows, unchanged
-    for t in duckdb_load.KEYED_TABLES:  # and the new session's, as when ingested alone
-        assert q(db, f"SELECT count(*) FROM {t} WHERE session = '{sid_b}'") == \
-            q(alone, f"SELECT count(*) FROM {t}"), t
+    assert table_digests(db, f"WHERE session = '{sid_b}'") == table_digests(alone)  # the new, as if alone
     # Re-ingest replaces the session's rows, keys included.
     ingest([tmp_path / "b"], db)
-    assert q(db, f"SELECT count(*) FROM {duckdb_load.STORE}.proc_keys WHERE session = '{sid_b}'") == \
+    assert q(db, f"SELECT count(*) FROM {store}.proc_keys WHERE session = '{sid_b}'") == \
         [(len(proc_dirs(tmp_path / "b")),)]
-    assert q(db, f"SELECT count(*) FROM step_requests WHERE session = '{sid_b}'") == \
-        q(alone, "SELECT count(*) FROM step_requests")
+    assert q(db, f"SELECT count(*) FROM {store}.request_keys WHERE session = '{sid_b}'") == \
+        q(alone, f"SELECT count(*) FROM {store}.request_keys WHERE session IS NOT NULL")
+    assert table_digests(db, f"WHERE session = '{sid_b}'") == table_digests(alone)
+
+
+def test_labels_and_request_ids_new_to_the_database_get_keys(tmp_path, monkeypatch):
+    """Label codes are given as labels are met (a database that knows none but `decode` reads the same
+    as one seeded with all), by ingest and by rows written by hand, and so are request keys."""
+    synth.generate(tmp_path / "s", 20_000, seed=3)
+    ingest([tmp_path / "s"], tmp_path / "seeded.duckdb")
+    monkeypatch.setattr(duckdb_load, "KNOWN_LABELS", ("decode",))
+    db = tmp_path / "grown.duckdb"
+    ingest([tmp_path / "s"], db)
+    assert table_digests(db) == table_digests(tmp_path / "seeded.duckdb")
+    con = duckdb.connect(str(db))
+    texts = [t for t, in con.execute(f"SELECT text FROM {duckdb_load.STORE}.labels ORDER BY label").fetchall()]
+    used = con.execute("SELECT DISTINCT phase FROM step_requests UNION SELECT DISTINCT kind FROM step_requests").fetchall()
+    assert texts[0] == "decode" and sorted(texts) == sorted(t for t, in used) and len(texts) >= 4
+    sid, pid = con.execute("SELECT session, pid FROM step_requests LIMIT 1").fetchone()
+    duckdb_load.insert_rows(con, "step_requests", [(sid, 0, pid, 10**9, "by-hand", 3, "prefill", 0, 0, 1, "odd")])
+    assert con.execute("SELECT tokens, phase, kind FROM step_requests WHERE request_id = 'by-hand'").fetchall() == \
+        [(3, "prefill", "odd")]
+    con.close()
 
 
 def test_ingest_reports_progress_and_throughput(tmp_path, capsys):

@@ -21,7 +21,7 @@ import duckdb
 import pytest
 
 from kvtrace.errors import KvtraceError
-from kvtrace.ingest.duckdb_load import stored_table
+from kvtrace.ingest.duckdb_load import STORE, stored_table
 from tests.conftest import REPO, run_kvtrace
 from tests.conftest import query as q
 
@@ -385,8 +385,9 @@ def hostile_db(recorded_run, tmp_path_factory) -> Path:
     shutil.copy(recorded_run["db"], db)
     con = duckdb.connect(str(db))
     (a,), (b,) = con.execute("SELECT request_id FROM requests ORDER BY arrival_ns LIMIT 2").fetchall()
-    for table in ("requests", "step_requests", "request_events", "block_events", "prefix_lookups",
-                  "preemptions", "pins", "batch_slots", "kv_access", "transfers"):
+    # step_requests and batch_slots store a request key: their ids change with the key table's.
+    for table in ("requests", "request_events", "block_events", "prefix_lookups", "preemptions", "pins",
+                  "kv_access", "transfers", f"{STORE}.request_keys"):
         con.execute(f"UPDATE {stored_table(table)} SET request_id = CASE request_id WHEN ? THEN ? ELSE ? END "
                     "WHERE request_id IN (?, ?)", [a, EVIL_ID, EVIL_ID2, a, b])
     con.execute("UPDATE sessions SET model = ?", [EVIL_MODEL])
