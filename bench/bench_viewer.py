@@ -44,7 +44,7 @@ def make_synth(events: int, work: Path) -> Path:
 def make_sql(events: int, work: Path) -> Path:
     """Rows INSERTed straight into the ingest schema with range(): 32 lanes of requests of 200 steps,
     4 layers of kv_access (one write and several reads per layer per running request) filling the rest."""
-    from kvtrace.ingest.duckdb_load import create_tables
+    from kvtrace.ingest.duckdb_load import create_tables, insert_select
 
     db = work / "sql.duckdb"
     con = duckdb.connect(str(db))
@@ -65,7 +65,7 @@ def make_sql(events: int, work: Path) -> Path:
     # Lane l runs request k = (i + 7 l) // life at step i: prefill for its first 3 steps, then decode.
     req = f"'job' || l || '-turn' || ((i + 7 * l) // {life})"
     pos = f"((i + 7 * l) % {life})"
-    con.execute(f"""INSERT INTO step_requests SELECT 'bench', 0, 1, i + 1, {req}, CASE WHEN {pos} < 3 THEN 128 ELSE 1 END,
+    insert_select(con, "step_requests", f"""SELECT 'bench', 0, 1, i + 1, {req}, CASE WHEN {pos} < 3 THEN 128 ELSE 1 END,
         CASE WHEN {pos} < 3 THEN 'prefill' ELSE 'decode' END, CASE WHEN {pos} < 3 THEN {pos} ELSE -1 END,
         {pos} * 16, ({pos} % 8 = 0)::INT, CASE WHEN {pos} = 0 THEN 'new' ELSE 'running' END
         FROM range({n_steps}) a(i), range({lanes}) b(l)""")
@@ -76,7 +76,7 @@ def make_sql(events: int, work: Path) -> Path:
         FROM range({n_steps}) a(i), range({lanes}) b(l), range(5) c(e)
         WHERE ({pos} = 0 AND e < 3) OR ({pos} = 3 AND e = 3) OR ({pos} = {life - 1} AND e = 4)""")
     blk = f"l * 128 + ({pos} // 8) % 128"
-    con.execute(f"""INSERT INTO block_events SELECT 'bench', 0, 1, {ev} + 100000, i + 1,
+    insert_select(con, "block_events", f"""SELECT 'bench', 0, 1, {ev} + 100000, i + 1,
         CASE WHEN {pos} = {life - 1} THEN 'free' ELSE 'alloc' END, 0, {req},
         CASE WHEN {pos} = {life - 1} THEN l * 128 + j ELSE {blk} END, NULL
         FROM range({n_steps}) a(i), range({lanes}) b(l), range({life // 8}) c(j)
@@ -87,7 +87,7 @@ def make_sql(events: int, work: Path) -> Path:
         512, 32, 40 FROM range({n_steps}) t(i) WHERE i % 997 = 0""")
     used = sum(con.execute(f"SELECT count(*) FROM {t}").fetchall()[0][0] for t in EVENT_TABLES)
     per = max(4, round((events - used) / (n_steps * lanes)))  # kv_access rows per (step, lane)
-    con.execute(f"""INSERT INTO kv_access SELECT 'bench', 0, 2, i + 1, j % 4, {ev} + 300000 + (j % 4) * 1000000,
+    insert_select(con, "kv_access", f"""SELECT 'bench', 0, 2, i + 1, j % 4, {ev} + 300000 + (j % 4) * 1000000,
         (j >= 4)::TINYINT, l, l * 128 + ((j // 4) % (1 + {pos} // 8)), 0, 16, {req}
         FROM range({n_steps}) a(i), range({lanes}) b(l), range({per}) c(j)""")
     con.execute("""INSERT INTO requests SELECT session, 0, request_id, regexp_extract(request_id, 'job(\\d+)', 1),

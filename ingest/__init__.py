@@ -21,7 +21,8 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
     """
     con = open_db(db_path)
     try:
-        create_tables(con)
+        if not sessions:  # ingest_session makes them otherwise (once is enough: ~0.1 s even when they exist)
+            create_tables(con)
         reports = [ingest_session(con, s, progress=progress, job_pattern=job_pattern) for s in sessions]
         for path in nsys or []:
             from kvtrace.ingest import nsys as nsys_mod

@@ -4,14 +4,14 @@ Every row gets the process columns (`session`, `rank`, `pid`). Block events are 
 per block; device access records get their request id from the worker's batch slots (same process,
 step and slot).
 
-The per-step tables, millions of rows in a long run (`KEYED_TABLES`), store keys instead of values
-that repeat on every row: `kvtrace_store.<table>` has `proc INTEGER` where the others have the three
+The big tables, millions of rows in a long run (`KEYED_TABLES`), store keys instead of values that
+repeat on every row: `kvtrace_store.<table>` has `proc INTEGER` where the others have the three
 process columns (into `kvtrace_store.proc_keys`), `request_key INTEGER` for `request_id` in
 step_requests and batch_slots (into `kvtrace_store.request_keys`, per session), and UTINYINT codes for
-the labels `phase` and `kind` (into `kvtrace_store.labels`). `main.<table>` is a view with the same
+the labels (step_requests' `phase` and `kind`, block_events' `event`; into `kvtrace_store.labels`). `main.<table>` is a view with the same
 name, columns and types that joins the values back. DuckDB pays per row on insert for such values (a
 text column costs several integer ones): on bench_scale's 10 M-event session the process key made
-ingest 13% faster, the request keys and labels another ~5% (CPU -7%), and the file 7% smaller
+ingest 13% faster, and the request keys and labels made it faster again and the file smaller
 (docs/performance.md). Queries see the same rows and run about as fast: DuckDB joins key tables of a
 few rows (processes, labels) or a few thousand (requests) into the scan. Edit those tables through
 `stored_table()`, as views take no UPDATE, DELETE or INSERT; `insert_rows()` inserts rows as the view
@@ -52,7 +52,7 @@ DUCK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER", "int64
 
 # The tables stored with keys, and where (see the module docstring).
 STORE = "kvtrace_store"
-KEYED_TABLES = ("step_requests", "batch_slots", "kv_access", "layer_timings")
+KEYED_TABLES = ("step_requests", "batch_slots", "kv_access", "layer_timings", "block_events")
 # Text columns of the keyed tables stored as a small integer into a key table (the view gives the text):
 # request ids as `request_key` into `request_keys` (per session; key 0 is the null request id, so the
 # view's join is an inner one, which DuckDB may reorder and filter through), labels (a few values:
@@ -60,8 +60,9 @@ KEYED_TABLES = ("step_requests", "batch_slots", "kv_access", "layer_timings")
 # Not kv_access's request id: queries of device accesses rarely want it, and the join would cost them.
 REQUEST_KEYED = ("step_requests", "batch_slots")
 NULL_REQUEST_KEY = 0
-LABEL_COLUMNS = {"step_requests": ("phase", "kind")}
-KNOWN_LABELS = ("prefill", "decode", "new", "resumed", "running")  # codes 1.. on a new database
+LABEL_COLUMNS = {"step_requests": ("phase", "kind"), "block_events": ("event",)}
+KNOWN_LABELS = ("prefill", "decode", "new", "resumed", "running",  # codes 1.. on a new database
+                "alloc", "free", "touch", "cache", "evict")
 KEY_TABLES_DDL = (
     f"CREATE TABLE IF NOT EXISTS {STORE}.proc_keys (proc INTEGER, session VARCHAR, rank INTEGER, pid INTEGER)",
     f"CREATE TABLE IF NOT EXISTS {STORE}.request_keys (request_key INTEGER, session VARCHAR, request_id VARCHAR)",
@@ -70,7 +71,9 @@ KEY_TABLES_DDL = (
 
 # Columns of the DuckDB tables that differ from the shard columns.
 UNNESTED = {"block_events": ("block_ids", "block_hashes", "block_id INTEGER", "block_hash BIGINT")}
-EXTRA_COLUMNS = {"kv_access": ["request_id VARCHAR"]}
+EXTRA_COLUMNS = {"kv_access": ["request_id VARCHAR"], "block_events": ["seq BIGINT"]}
+# `seq` numbers a process's block event calls in recording order (the rows of one call share it):
+# events of a block at the same ts_ns (an evict and the alloc of the same call) are ordered by it.
 
 SESSION_TABLES = {
     "sessions": """session VARCHAR, session_dir VARCHAR, status VARCHAR, schema_version INTEGER,
@@ -139,16 +142,19 @@ def markdown() -> str:
            "Ingest loads each shard table above into a DuckDB table of the same name, with the process "
            "columns first. Two differ:", "",
            "- `block_events` has one row per block: `block_ids` / `block_hashes` become `block_id` INTEGER "
-           "and `block_hash` BIGINT (null where the call had no hashes).",
+           "and `block_hash` BIGINT (null where the call had no hashes). A trailing `seq` BIGINT numbers the "
+           "process's calls in recording order (the rows of one call share it; in a database converted from "
+           "an older kvtrace, each row has its own): order by (ts_ns, seq) for the events of a block that "
+           "share a timestamp, such as the evict and the alloc of one call.",
            "- `kv_access` has a trailing `request_id` VARCHAR, taken from the worker's `batch_slots` "
            "(same pid, step and slot).", "",
-           f"The per-step tables ({', '.join(f'`{t}`' for t in KEYED_TABLES)}) are views with the same "
+           f"The big tables ({', '.join(f'`{t}`' for t in KEYED_TABLES)}) are views with the same "
            f"columns: their rows are stored in `{STORE}.<table>` with keys in place of values that repeat "
            f"on every row, which the view joins back: a `proc` INTEGER for the process columns "
            f"(`{STORE}.proc_keys`: proc, session, rank, pid), a `request_key` INTEGER for `request_id` in "
            f"step_requests and batch_slots (`{STORE}.request_keys`: request_key, session, request_id; key "
-           f"0 is the null id), and UTINYINT codes for the labels `phase` and `kind` of step_requests "
-           f"(`{STORE}.labels`: label, text). Read them as tables; change rows (UPDATE, DELETE) in the "
+           f"0 is the null id), and UTINYINT codes for the labels `phase` and `kind` of step_requests and "
+           f"`event` of block_events (`{STORE}.labels`: label, text). Read them as tables; change rows (UPDATE, DELETE) in the "
            "stored table, and request ids in the key table. A database written by an older kvtrace, with "
            "plain tables there or text in place of the request and label keys, is converted on its next "
            "ingest.", "",
@@ -281,7 +287,9 @@ def _older_layout(con: duckdb.DuckDBPyConnection, table: str) -> tuple[str, str]
     kind = con.execute("SELECT table_type FROM information_schema.tables WHERE table_schema = 'main' AND "
                        "table_name = ?", [table]).fetchall()
     if kind and kind[0][0] == "BASE TABLE":
-        return f"main.{table}", f"DROP TABLE main.{table}"
+        # block_events' `seq` is the recording order, which such a table kept as its row order.
+        seq = ", rowid AS seq" if "seq BIGINT" in EXTRA_COLUMNS.get(table, ()) else ""
+        return f"(SELECT *{seq} FROM main.{table})", f"DROP TABLE main.{table}"
     stored = _columns(con, STORE, table)
     if not stored or stored == [c.split()[0] for c in stored_columns(table)]:
         return None
@@ -366,16 +374,42 @@ def proc_key(con: duckdb.DuckDBPyConnection, session: str, rank: int, pid: int, 
 
 def insert_rows(con: duckdb.DuckDBPyConnection, table: str, rows: list[tuple]) -> None:
     """INSERT rows given as the view shows them (process columns first) into any kvtrace table; for a
-    keyed table the process columns become its key. For tests and tools that write rows by hand."""
+    keyed table the process columns become its key. block_events' trailing `seq` may be left out: the
+    rows are then numbered in the order given, after those stored. For tests and tools that write rows
+    by hand."""
     if not rows:
         return
     if table not in KEYED_TABLES:
         marks = ", ".join("?" * len(rows[0]))
         con.executemany(f"INSERT INTO {table} VALUES ({marks})", [list(r) for r in rows])
         return
-    con.execute(f"CREATE OR REPLACE TEMP TABLE kvtrace_rows ({', '.join(view_columns(table))})")
-    marks = ", ".join("?" * len(rows[0]))
-    con.executemany(f"INSERT INTO kvtrace_rows VALUES ({marks})", [list(r) for r in rows])
+    names = _stage(con, table)[:len(rows[0])]
+    con.executemany(f"INSERT INTO kvtrace_rows ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+                    [list(r) for r in rows])
+    _store_staged(con, table)
+
+
+def insert_select(con: duckdb.DuckDBPyConnection, table: str, select: str) -> None:
+    """INSERT the rows of a SELECT whose columns are the view's (as `insert_rows`) into any kvtrace table."""
+    if table not in KEYED_TABLES:
+        con.execute(f"INSERT INTO {table} {select}")
+        return
+    names = _stage(con, table)[:len(con.sql(select).columns)]
+    con.execute(f"INSERT INTO kvtrace_rows ({', '.join(names)}) {select}")
+    _store_staged(con, table)
+
+
+def _stage(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    """An empty temp table `kvtrace_rows` with keyed `table`'s view columns; returns their names."""
+    columns = view_columns(table)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE kvtrace_rows ({', '.join(columns)})")
+    return [c.split()[0] for c in columns]
+
+
+def _store_staged(con: duckdb.DuckDBPyConnection, table: str) -> None:
+    if "seq BIGINT" in EXTRA_COLUMNS.get(table, ()):  # not given: the order of the rows, after all others
+        (first,), = con.execute(f"SELECT coalesce(max(seq), -1) + 1 FROM {STORE}.{table}").fetchall()
+        con.execute(f"UPDATE kvtrace_rows SET seq = {int(first)} + rowid WHERE seq IS NULL")
     store_view_rows(con, table, "kvtrace_rows")
     con.execute("DROP TABLE kvtrace_rows")
 
@@ -620,6 +654,7 @@ class _Gather:
 
     def __init__(self, con: duckdb.DuckDBPyConnection, consts: tuple, keys: _SessionKeys):
         self.con, self.consts, self.keys = con, consts, keys
+        self.seq = 0  # block_events' next `seq` (this process's calls, in recording order)
         self.table: str | None = None
         self.batches: list[pa.RecordBatch] = []
         self.rows = self.nbytes = 0
@@ -647,6 +682,9 @@ class _Gather:
             data = pa.Table.from_batches(self.batches)
             if self.table in KEYED_TABLES:  # before the copy: the key columns are smaller than the text
                 data = self.keys.encode(self.table, data)
+            if "seq BIGINT" in EXTRA_COLUMNS.get(self.table, ()):
+                data = data.append_column("seq", pa.array(np.arange(self.seq, self.seq + data.num_rows)))
+                self.seq += data.num_rows
             data = data.combine_chunks()
             data = pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP))
             new_keys = self.keys.take_new()
@@ -699,12 +737,10 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | 
     # transaction ends: memory would grow with the session.
     rel = con.from_arrow(data)
     head = f"'{_sql_str(sid)}' AS session, {rank}::INTEGER AS rank, {pid}::INTEGER AS pid"
-    if table in UNNESTED:
+    if table in UNNESTED:  # block_events: keyed, and numbered (`seq`) in _Gather.flush
         list_col, hash_col, _, _ = UNNESTED[table]
-        cols = [c.name for c in schema.TABLES[table]]
-        select = ", ".join(
-            f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in cols)
-        rel.query("kvtrace_batch", f"INSERT INTO {table} SELECT {head}, {select} FROM kvtrace_batch")
+        select = ", ".join(f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in data.column_names)
+        rel.query("kvtrace_batch", f"INSERT INTO {STORE}.{table} SELECT {key}::INTEGER, {select} FROM kvtrace_batch")
     elif table == "kv_access":
         ids, first_key = request_ids
         data = data.append_column("request_id", ids.take(_access_request_keys(con, key, data, first_key)))

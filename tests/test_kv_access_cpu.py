@@ -24,7 +24,7 @@ def _tables_by_step(con):
     finishes in that step frees its blocks later, in update_from_output)."""
     events = con.execute("""select ts_ns, request_id, event, block_id, step from block_events
                             where event in ('alloc', 'touch', 'free') and request_id is not null
-                            order by rowid""").fetchall()
+                            order by seq""").fetchall()
     steps = con.execute("select step, t_sched_end_ns from steps order by step").fetchall()
     scheduled: dict[int, list[str]] = defaultdict(list)
     for step, rid in con.execute("select step, request_id from step_requests").fetchall():

@@ -149,9 +149,11 @@ def table_digests(db: Path, where: str = "") -> dict[str, tuple]:
     try:
         out = {}
         for t in [*schema.TABLES, "requests"]:
+            # All columns but block_events.seq, which orders rows without being a value (block_event_order).
             cols = [r[0] for r in con.execute(
                 "SELECT column_name FROM information_schema.columns WHERE table_schema = 'main' AND table_name = ? "
-                "ORDER BY ordinal_position", [t]).fetchall()]
+                "AND NOT (table_name = 'block_events' AND column_name = 'seq') ORDER BY ordinal_position", [t]
+            ).fetchall()]
             out[t] = con.execute(f"SELECT count(*), sum(hash({', '.join(cols)})) FROM {t} {where}").fetchone()
         return out
     finally:
@@ -178,14 +180,17 @@ def test_ingest_gathers_batches_into_few_inserts(tmp_path, monkeypatch):
 
 def _make_older_layout(db: Path, layout: str) -> None:
     """Rewrite a database into an older kvtrace's layout of the keyed tables: "plain" (tables with the
-    process columns) or "proc_key" (a process key, request ids and labels as text)."""
+    process columns) or "proc_key" (the four per-step tables with a process key, request ids and labels
+    as text; block_events plain). A plain block_events had no `seq`: its row order was the recording order."""
     store = duckdb_load.STORE
+    keyed_then = ("step_requests", "batch_slots", "kv_access", "layer_timings") if layout == "proc_key" else ()
     con = duckdb.connect(str(db))
     for t in duckdb_load.KEYED_TABLES:
-        con.execute(f"CREATE TABLE old_{t} AS SELECT * FROM {t}")
+        select = f"* EXCLUDE (seq) FROM {t} ORDER BY session, pid, seq" if t == "block_events" else f"* FROM {t}"
+        con.execute(f"CREATE TABLE old_{t} AS SELECT {select}")
         con.execute(f"DROP VIEW {t}")
         con.execute(f"DROP TABLE {store}.{t}")
-        if layout == "plain":
+        if t not in keyed_then:
             con.execute(f"ALTER TABLE old_{t} RENAME TO {t}")
             continue
         con.execute(f"CREATE TABLE {store}.{t} AS SELECT k.proc, o.* EXCLUDE (session, rank, pid) FROM old_{t} o "
@@ -196,6 +201,12 @@ def _make_older_layout(db: Path, layout: str) -> None:
     for key_table in ("request_keys", "labels", *(["proc_keys"] if layout == "plain" else [])):
         con.execute(f"DROP TABLE {store}.{key_table}")
     con.close()
+
+
+def block_event_order(db: Path, where: str = "") -> list[tuple]:
+    """block_events as each process recorded them: ordered by `seq` (the rows of one call share a place)."""
+    return q(db, f"SELECT session, pid, list((ts_ns, event, request_id) ORDER BY seq, ts_ns, event, request_id) "
+                 f"FROM block_events {where} GROUP BY ALL ORDER BY ALL")
 
 
 @pytest.mark.parametrize("layout", ["plain", "proc_key"])
@@ -213,7 +224,7 @@ def test_keyed_tables_read_like_tables_and_older_databases_are_migrated(tmp_path
     for t in duckdb_load.KEYED_TABLES:
         view_cols = con.execute(f"DESCRIBE {t}").fetchall()
         assert [c[0] for c in view_cols[:3]] == ["session", "rank", "pid"]
-        assert [c[0] for c in view_cols[3:]] == schema.column_names(t) + (["request_id"] if t == "kv_access" else [])
+        assert [f"{c[0]} {c[1]}" for c in view_cols] == duckdb_load.view_columns(t)
     sid_a, pids = con.execute("SELECT any_value(session), list(DISTINCT pid ORDER BY pid) FROM kv_access").fetchone()
     [(n_keys,)] = con.execute(f"SELECT count(*) FROM {store}.proc_keys").fetchall()
     assert n_keys == len(proc_dirs(tmp_path / "a"))
@@ -226,9 +237,9 @@ def test_keyed_tables_read_like_tables_and_older_databases_are_migrated(tmp_path
     assert dict(con.execute("SELECT phase, count(*) FROM step_requests GROUP BY 1").fetchall()).keys() == \
         {"prefill", "decode"}
     con.close()
-    before = table_digests(db)
+    before, order_before = table_digests(db), block_event_order(db)
     _make_older_layout(db, layout)
-    assert table_digests(db) == before  # what queries see is the same in both layouts
+    assert table_digests(db) == before  # what queries see is the same in both layouts (but block_events.seq)
     [rb] = ingest([tmp_path / "b"], db)
     assert rb["status"] == "complete"
     con = duckdb.connect(str(db), read_only=True)
@@ -242,6 +253,7 @@ def test_keyed_tables_read_like_tables_and_older_databases_are_migrated(tmp_path
     ingest([tmp_path / "b"], alone)
     [(sid_b,)] = q(alone, "SELECT session FROM sessions")
     assert table_digests(db, f"WHERE session = '{sid_a}'") == before  # the moved rows, unchanged
+    assert block_event_order(db, f"WHERE session = '{sid_a}'") == order_before  # seq from the row order
     assert table_digests(db, f"WHERE session = '{sid_b}'") == table_digests(alone)  # the new, as if alone
     # Re-ingest replaces the session's rows, keys included.
     ingest([tmp_path / "b"], db)
@@ -263,7 +275,8 @@ def test_labels_and_request_ids_new_to_the_database_get_keys(tmp_path, monkeypat
     assert table_digests(db) == table_digests(tmp_path / "seeded.duckdb")
     con = duckdb.connect(str(db))
     texts = [t for t, in con.execute(f"SELECT text FROM {duckdb_load.STORE}.labels ORDER BY label").fetchall()]
-    used = con.execute("SELECT DISTINCT phase FROM step_requests UNION SELECT DISTINCT kind FROM step_requests").fetchall()
+    used = con.execute("SELECT DISTINCT phase FROM step_requests UNION SELECT DISTINCT kind FROM step_requests "
+                       "UNION SELECT DISTINCT event FROM block_events").fetchall()
     assert texts[0] == "decode" and sorted(texts) == sorted(t for t, in used) and len(texts) >= 4
     sid, pid = con.execute("SELECT session, pid FROM step_requests LIMIT 1").fetchone()
     duckdb_load.insert_rows(con, "step_requests", [(sid, 0, pid, 10**9, "by-hand", 3, "prefill", 0, 0, 1, "odd")])

@@ -441,7 +441,7 @@ WITH pins_ids AS (  -- an unpin/expire/release without block ids releases the ow
         ON q.request_id = x.request_id AND x.ts_ns >= q.ts_ns
     WHERE x.session = $s
 ), ev AS (
-    SELECT block_id, ts_ns, rowid AS ord, event FROM block_events
+    SELECT block_id, ts_ns, seq AS ord, event FROM block_events
     WHERE session = $s AND block_id IS NOT NULL AND rank // 1000 = $rank // 1000
     UNION ALL
     SELECT unnest(block_ids) AS block_id, ts_ns, ord, event FROM pins_ids
