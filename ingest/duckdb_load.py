@@ -75,6 +75,10 @@ EXTRA_COLUMNS = {"kv_access": ["request_id VARCHAR"], "block_events": ["seq BIGI
 # `seq` numbers a process's block event calls in recording order (the rows of one call share it):
 # events of a block at the same ts_ns (an evict and the alloc of the same call) are ordered by it.
 
+
+def has_seq(table: str) -> bool:
+    return "seq BIGINT" in EXTRA_COLUMNS.get(table, ())
+
 SESSION_TABLES = {
     "sessions": """session VARCHAR, session_dir VARCHAR, status VARCHAR, schema_version INTEGER,
         kvtrace_version VARCHAR, vllm_version VARCHAR, command VARCHAR, start_utc_ns BIGINT,
@@ -266,8 +270,7 @@ def _create_tables(con: duckdb.DuckDBPyConnection) -> None:
                        ).fetchall()[0][0]:
         con.execute(f"INSERT INTO {STORE}.request_keys VALUES ({NULL_REQUEST_KEY}, NULL, NULL)")
     if not con.execute(f"SELECT count(*) FROM {STORE}.labels").fetchall()[0][0]:
-        con.executemany(f"INSERT INTO {STORE}.labels VALUES (?, ?)",
-                        [[code, text] for code, text in enumerate(KNOWN_LABELS, 1)])
+        _insert_labels(con, _give_label_codes({}, list(KNOWN_LABELS)))
     for table in schema.TABLES:
         older = _older_layout(con, table) if table in KEYED_TABLES else None
         con.execute(table_ddl(table))
@@ -295,7 +298,7 @@ def _older_layout(con: duckdb.DuckDBPyConnection, table: str) -> tuple[str, str]
                        "table_name = ?", [table]).fetchall()
     if kind and kind[0][0] == "BASE TABLE":
         # block_events' `seq` is the recording order, which such a table kept as its row order.
-        seq = ", rowid AS seq" if "seq BIGINT" in EXTRA_COLUMNS.get(table, ()) else ""
+        seq = ", rowid AS seq" if has_seq(table) else ""
         return f"(SELECT *{seq} FROM main.{table})", f"DROP TABLE main.{table}"
     stored = _columns(con, STORE, table)
     if not stored or stored == [c.split()[0] for c in stored_columns(table)]:
@@ -328,8 +331,9 @@ def store_view_rows(con: duckdb.DuckDBPyConnection, table: str, source: str) -> 
         joins += f" LEFT JOIN {STORE}.request_keys q ON q.session = t.session AND q.request_id = t.request_id"
     for name in LABEL_COLUMNS.get(table, ()):
         if name in have:
-            _add_labels(con, [r[0] for r in con.execute(f"SELECT DISTINCT {name} FROM {src} WHERE {name} IS NOT "
-                                                        f"NULL EXCEPT SELECT text FROM {STORE}.labels").fetchall()])
+            known = dict(con.execute(f"SELECT text, label FROM {STORE}.labels").fetchall())
+            _insert_labels(con, _give_label_codes(known, [r[0] for r in con.execute(
+                f"SELECT DISTINCT {name} FROM {src}").fetchall()]))
             joins += f" LEFT JOIN {STORE}.labels l_{name} ON l_{name}.text = t.{name}"
     select = ["k.proc"]
     for col in stored_columns(table)[1:]:
@@ -348,15 +352,20 @@ def _check_label_count(n: int) -> None:
                            f"not what kvtrace writes")
 
 
-def _add_labels(con: duckdb.DuckDBPyConnection, texts: list[str]) -> dict[str, int]:
-    """Give `texts` label codes (those not yet in `labels`); returns every label's code."""
-    labels = dict(con.execute(f"SELECT text, label FROM {STORE}.labels").fetchall())
-    new = [t for t in dict.fromkeys(texts) if t not in labels]
+def _give_label_codes(labels: dict[str, int], texts: list) -> list[tuple[int, str]]:
+    """Give the `texts` not in `labels` (text -> code, updated) the next codes; returns them as
+    (code, text). Codes are dense from 1: the views index a list of the texts by them."""
+    new = [t for t in dict.fromkeys(texts) if t is not None and t not in labels]
     _check_label_count(len(labels) + len(new))
     for text in new:
         labels[text] = len(labels) + 1
-        con.execute(f"INSERT INTO {STORE}.labels VALUES (?, ?)", [labels[text], text])
-    return labels  # the views need making again if there are new ones (create_keyed_views)
+    return [(labels[t], t) for t in new]
+
+
+def _insert_labels(con: duckdb.DuckDBPyConnection, labels: list[tuple[int, str]]) -> None:
+    """INSERT (code, text) labels; the views need making again after (create_keyed_views)."""
+    for label, text in labels:
+        con.execute(f"INSERT INTO {STORE}.labels VALUES (?, ?)", [label, text])
 
 
 def _columns(con: duckdb.DuckDBPyConnection, schema_name: str, table: str) -> list[str]:
@@ -365,14 +374,8 @@ def _columns(con: duckdb.DuckDBPyConnection, schema_name: str, table: str) -> li
         "ORDER BY ordinal_position", [schema_name, table]).fetchall()]
 
 
-def proc_key(con: duckdb.DuckDBPyConnection, session: str, rank: int, pid: int, new: bool = True) -> int:
-    """The key of one process's rows in the keyed tables: a new one (each ingested process folder gets
-    its own), or with `new=False` the existing key of (session, rank, pid) if there is one."""
-    if not new:
-        found = con.execute(f"SELECT min(proc) FROM {STORE}.proc_keys WHERE session = ? AND rank = ? AND pid = ?",
-                            [session, rank, pid]).fetchall()[0][0]
-        if found is not None:
-            return int(found)
+def proc_key(con: duckdb.DuckDBPyConnection, session: str, rank: int, pid: int) -> int:
+    """A new key for one process's rows in the keyed tables (each ingested process folder gets its own)."""
     (key,), = con.execute(f"""INSERT INTO {STORE}.proc_keys
         SELECT coalesce(max(proc), 0) + 1, ?, ?, ? FROM {STORE}.proc_keys RETURNING proc""",
                           [session, rank, pid]).fetchall()
@@ -414,7 +417,7 @@ def _stage(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
 
 
 def _store_staged(con: duckdb.DuckDBPyConnection, table: str) -> None:
-    if "seq BIGINT" in EXTRA_COLUMNS.get(table, ()):  # not given: the order of the rows, after all others
+    if has_seq(table):  # not given: the order of the rows, after all others
         (first,), = con.execute(f"SELECT coalesce(max(seq), -1) + 1 FROM {STORE}.{table}").fetchall()
         con.execute(f"UPDATE kvtrace_rows SET seq = {int(first)} + rowid WHERE seq IS NULL")
     store_view_rows(con, table, "kvtrace_rows")
@@ -635,11 +638,7 @@ class _SessionKeys:
     def _label_codes(self, table: str, name: str, texts: pa.ChunkedArray) -> pa.ChunkedArray:
         pos = pc.index_in(texts, value_set=self.known_labels)
         if pos.null_count > texts.null_count:
-            new = [t for t in pc.unique(texts).to_pylist() if t is not None and t not in self.labels]
-            _check_label_count(len(self.labels) + len(new))
-            for text in new:
-                self.labels[text] = len(self.labels) + 1
-                self.new_labels.append((self.labels[text], text))
+            self.new_labels += _give_label_codes(self.labels, pc.unique(texts).to_pylist())
             self.known_labels = self._label_array()
             pos = pc.index_in(texts, value_set=self.known_labels)
         return pc.cast(pc.add(pos, pa.scalar(1, pa.int32())), pa.uint8())
@@ -690,7 +689,7 @@ class _Gather:
             data = pa.Table.from_batches(self.batches)
             if self.table in KEYED_TABLES:  # before the copy: the key columns are smaller than the text
                 data = self.keys.encode(self.table, data)
-            if "seq BIGINT" in EXTRA_COLUMNS.get(self.table, ()):
+            if has_seq(self.table):
                 data = data.append_column("seq", pa.array(np.arange(self.seq, self.seq + data.num_rows)))
                 self.seq += data.num_rows
             data = data.combine_chunks()
@@ -727,8 +726,7 @@ def _insert_keys(con: duckdb.DuckDBPyConnection, sid: str, request_ids: list[str
                          "request_id": pa.array(request_ids, pa.string())})
         con.from_arrow(keys).query("kvtrace_keys", f"INSERT INTO {STORE}.request_keys "
                                    f"SELECT request_key, '{_sql_str(sid)}', request_id FROM kvtrace_keys")
-    for label, text in labels:
-        con.execute(f"INSERT INTO {STORE}.labels VALUES (?, ?)", [label, text])
+    _insert_labels(con, labels)
     if labels:
         create_keyed_views(con)
 
