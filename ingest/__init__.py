@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvtrace.ingest.duckdb_load import create_tables, ingest_session, open_db
+from kvtrace.ingest.duckdb_load import create_tables, ingest_session, open_db, warm_up_pyarrow
 
 
 def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Path] | None = None,
@@ -19,6 +19,7 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
     Each session's rows replace any earlier ingest of the same session. An export given with one
     session is aligned to that session's clock; given alone it is loaded unaligned.
     """
+    warm_up_pyarrow()
     con = open_db(db_path)
     try:
         if not sessions:  # ingest_session makes them otherwise (once is enough: ~0.1 s even when they exist)

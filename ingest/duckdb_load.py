@@ -30,6 +30,7 @@ a failed ingest leaves the database as it was.
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -173,10 +174,33 @@ def markdown() -> str:
 
 
 # Shard rows gathered into one INSERT (block_events rows unnest to ~10 database rows each).
-INSERT_ROWS = 2_000_000
+INSERT_ROWS = 1_000_000
 INSERT_BYTES = 192 << 20
 ROW_GROUP = 122_880  # DuckDB's row group size
 INGEST_MEMORY_LIMIT = 1 << 30  # bytes DuckDB may keep during an ingest (it spills past it)
+
+
+def warm_up_pyarrow() -> None:
+    """Let pyarrow import pandas in a helper thread now, instead of on the first `pa.array()` call.
+
+    pyarrow imports pandas (if installed) the first time it converts Python or NumPy values, to check
+    for pandas inputs: ~0.45 s of CPU on this project's machines, which an ingest otherwise spends in
+    its main thread while DuckDB waits for the first chunk (10% of bench_scale's 10 M-event ingest).
+    Started before the database is opened and its tables made, it runs beside them. Nothing is done
+    when pandas is imported already or not installed."""
+    import importlib.util
+    import sys
+
+    if "pandas" in sys.modules or importlib.util.find_spec("pandas") is None:
+        return
+
+    def convert_once() -> None:
+        try:
+            pa.array([0])
+        except Exception:  # only a warm-up: the real call will say what is wrong
+            pass
+
+    threading.Thread(target=convert_once, daemon=True, name="kvtrace-pyarrow-warm-up").start()
 
 
 def duck_type(t: pa.DataType) -> str:
@@ -506,19 +530,23 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     con.execute("BEGIN TRANSACTION")
     try:
         keys = _SessionKeys(con, sid)
-        for _proc_dir, proc, shards in shards_by_proc:
-            if proc.get("status") not in ("complete", "flushed"):
-                incomplete = True
+        consts = []
+        for _proc_dir, proc, _shards in shards_by_proc:
             rank, pid = int(proc.get("rank", 0) or 0), int(proc.get("pid", 0) or 0)
-            consts = (sid, rank, pid, proc_key(con, sid, rank, pid))
-            loader = _Gather(con, consts, keys)
-            try:
+            consts.append((sid, rank, pid, proc_key(con, sid, rank, pid)))
+        inserter = _Inserter(con)
+        try:
+            for (_proc_dir, proc, shards), proc_consts in zip(shards_by_proc, consts):
+                if proc.get("status") not in ("complete", "flushed"):
+                    incomplete = True
+                loader = _Gather(inserter, proc_consts, keys)
                 if _load_shards(shards, loader, bar, rows, issues):
                     incomplete = True
                 loader.flush()
-            finally:
-                loader.wait()  # the INSERT in flight ends before the connection is used (or rolled back)
-            _insert_proc(con, sid, proc)
+                inserter.submit(0, _insert_proc, sid, proc)
+            inserter.wait()
+        finally:
+            inserter.close(cancel=True)  # the connection is this thread's again (for the rest, or ROLLBACK)
         status = "incomplete" if incomplete else "complete"
         _insert_session(con, sid, session_dir, manifest, procs, status, job_pattern)
         for path, problem, cut in issues:
@@ -651,22 +679,157 @@ class _SessionKeys:
         return ids, labels, first
 
 
-class _Gather:
-    """Gathers one process's batches of one table into big INSERTs (see the module docstring).
+class _Inserter:
+    """Runs a session's INSERTs in order, in one helper thread, while the caller reads the next chunks.
 
-    An INSERT runs in a helper thread while the caller reads the next chunk (DuckDB lets go of the GIL),
-    so reading shards overlaps loading: at most one chunk in flight and one being gathered. The
-    connection is the helper's until `wait()` returns; `wait()` re-raises the INSERT's error.
+    DuckDB lets go of the GIL while it inserts, so reading shards (main thread) and storing them
+    (DuckDB's threads) overlap. The caller runs ahead across tables and processes until `QUEUE_ROWS`
+    rows wait besides the chunk being inserted, so DuckDB is not left idle while the first chunk of the
+    next table is read (with one chunk in flight and a wait before the next, as before, it was idle a
+    quarter of the time); memory stays bounded by about two chunks. Counted in rows, not chunks, so
+    the few-row chunks of small tables never hold the reader up. One transaction, hence one connection:
+    it is the helper's until `wait()` returns; `wait()` and `submit()` re-raise an INSERT's error, after
+    which the remaining work is skipped.
     """
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, consts: tuple, keys: _SessionKeys):
-        self.con, self.consts, self.keys = con, consts, keys
+    QUEUE_ROWS = 2 * INSERT_ROWS
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        self.con = con
+        self.work: collections.deque = collections.deque()  # (rows, fn, args); None stops the helper
+        self.queued_rows = 0
+        self.busy = False
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.thread = threading.Thread(target=self._run, daemon=True, name="kvtrace-insert")
+        self.thread.start()
+
+    def submit(self, rows: int, fn: Any, *args: Any) -> None:
+        """Queue `fn(con, *args)`, which stores `rows` rows; blocks while too many rows wait."""
+        with self.cond:
+            while self.work and self.queued_rows + rows > self.QUEUE_ROWS and self.error is None:
+                self.cond.wait()
+            self._raise()
+            self.work.append((rows, fn, args))
+            self.queued_rows += rows
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.work:
+                    self.cond.wait()
+                item = self.work.popleft()
+                if item is None:
+                    return
+                rows, fn, args = item
+                self.queued_rows -= rows
+                self.busy = True
+                skip = self.error is not None or self.cancelled
+                self.cond.notify_all()
+            try:
+                if not skip:
+                    fn(self.con, *args)
+            except BaseException as exc:  # handed to the caller by wait() / submit()
+                with self.cond:
+                    self.error = exc
+            finally:
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
+
+    def wait(self) -> None:
+        """Until everything queued is done; re-raises its error."""
+        with self.cond:
+            while (self.work or self.busy) and self.error is None:
+                self.cond.wait()
+            self._raise()
+
+    def close(self, cancel: bool = False) -> None:
+        """Stop the helper after the queued work (skipped with `cancel`); the connection is the caller's
+        again when this returns."""
+        with self.cond:
+            self.cancelled = self.cancelled or cancel
+            self.work.append(None)
+            self.cond.notify_all()
+        self.thread.join()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            self.cancelled = True
+            raise error
+
+
+class _SlotIndex:
+    """One process's batch slots (step, slot, request key) in memory, for the request ids of its device
+    access rows, which name only the step and the slot.
+
+    batch_slots is read before kv_access (`_load_shards`), so the index is complete when the first
+    access row arrives. Without it each kv_access chunk read its batch slots back from DuckDB (~0.3 s of
+    a 10 M-event ingest). Bounded: past `MAX_ROWS` rows (16 bytes each) it is dropped and the access rows
+    are matched against the database instead (`_access_request_keys`)."""
+
+    MAX_ROWS = 16_000_000
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.rows = 0
+        self.overflow = False
+
+    def add(self, data: pa.Table) -> None:
+        """Remember a chunk of encoded batch_slots rows (columns step, slot, request_key)."""
+        if self.overflow:
+            return
+        self.rows += data.num_rows
+        if self.rows > self.MAX_ROWS:
+            self.overflow, self.parts = True, []
+            return
+        self.parts.append(_slot_columns(data))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(steps, slots, keys), sorted by (step, slot); None when the index overflowed."""
+        if self.overflow:
+            return None
+        if not self.parts:
+            return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32)
+        if len(self.parts) > 1:
+            self.parts = [_sorted_slots(*(np.concatenate(c) for c in zip(*self.parts)))]
+        return self.parts[0]
+
+
+def _slot_columns(data: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps int64, slots int32, request keys int32) of batch_slots rows that have a slot, sorted."""
+    slot = data.column("slot")
+    if slot.null_count:  # rows without a slot never match an access row
+        data = data.filter(pc.is_valid(slot))
+    return _sorted_slots(pc.cast(data.column("step"), pa.int64()).to_numpy(),
+                         pc.cast(data.column("slot"), pa.int32()).to_numpy(),
+                         pc.cast(pc.fill_null(data.column("request_key"), NULL_REQUEST_KEY), pa.int32()).to_numpy())
+
+
+def _sorted_slots(steps: np.ndarray, slots: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                                   np.ndarray]:
+    """The batch slots in (step, slot) order (as recorded, usually: then nothing is copied)."""
+    pairs = _step_slot(steps, slots)
+    if not (pairs[1:] >= pairs[:-1]).all():
+        order = np.argsort(pairs, kind="stable")
+        steps, slots, keys = steps[order], slots[order], keys[order]
+    return steps, slots, keys
+
+
+class _Gather:
+    """Gathers one process's batches of one table into big INSERTs (see the module docstring), and
+    hands them to the session's `_Inserter`."""
+
+    def __init__(self, inserter: _Inserter, consts: tuple, keys: _SessionKeys):
+        self.inserter, self.consts, self.keys = inserter, consts, keys
         self.seq = 0  # block_events' next `seq` (this process's calls, in recording order)
+        self.slots = _SlotIndex()
         self.table: str | None = None
         self.batches: list[pa.RecordBatch] = []
         self.rows = self.nbytes = 0
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
 
     def add(self, table: str, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
@@ -681,41 +844,39 @@ class _Gather:
             self.flush()
 
     def flush(self) -> None:
-        """Start the INSERT of what is gathered (after the one in flight, if any, is done)."""
-        if self.batches:
-            # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
-            # (a third less CPU than scanning recorder-sized batches), still enough of them to scan in
-            # parallel.
-            data = pa.Table.from_batches(self.batches)
-            if self.table in KEYED_TABLES:  # before the copy: the key columns are smaller than the text
-                data = self.keys.encode(self.table, data)
-            if has_seq(self.table):
-                data = data.append_column("seq", pa.array(np.arange(self.seq, self.seq + data.num_rows)))
-                self.seq += data.num_rows
-            data = data.combine_chunks()
-            data = pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP))
-            new_keys = self.keys.take_new()
-            ids = (self.keys.known_ids, self.keys.first_key)  # kv_access's, once its batch_slots are in
-            self.wait()  # kv_access needs its batch_slots in; one chunk in flight bounds memory
-            self._thread = threading.Thread(target=self._run, args=(self.table, data, new_keys, ids),
-                                            daemon=True, name="kvtrace-insert")
-            self._thread.start()
+        """Queue the INSERT of what is gathered."""
+        if not self.batches:
+            return
+        table = self.table
+        # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
+        # (a third less CPU than scanning recorder-sized batches), still enough of them to scan in
+        # parallel.
+        data = pa.Table.from_batches(self.batches)
         self.batches, self.rows, self.nbytes = [], 0, 0
+        if table in KEYED_TABLES:  # before the copy: the key columns are smaller than the text
+            data = self.keys.encode(table, data)
+        if table == "batch_slots":
+            self.slots.add(data)
+        if has_seq(table):
+            data = data.append_column("seq", pa.array(np.arange(self.seq, self.seq + data.num_rows)))
+            self.seq += data.num_rows
+        ids = (self.keys.known_ids, self.keys.first_key)  # the session's request ids so far, in key order
+        if table == "kv_access":
+            have = self.slots.arrays()
+            if have is not None:
+                at = _match_slots(*have, data, self.keys.first_key)
+                data = data.append_column("request_id", pa.DictionaryArray.from_arrays(at, ids[0]))
+        data = data.combine_chunks()
+        data = pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP))
+        self.inserter.submit(data.num_rows, _insert_chunk, self.keys.sid, self.keys.take_new(), table, data,
+                             self.consts, ids)
 
-    def _run(self, table: str, data: pa.Table, new_keys: tuple, ids: tuple) -> None:
-        try:
-            _insert_keys(self.con, self.keys.sid, *new_keys)
-            _insert(self.con, table, data, self.consts, ids)
-        except BaseException as exc:  # handed to the caller by wait()
-            self._error = exc
 
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+def _insert_chunk(con: duckdb.DuckDBPyConnection, sid: str, new_keys: tuple, table: str, data: pa.Table,
+                  consts: tuple, ids: tuple) -> None:
+    """The keys a chunk is the first to use, then the chunk (in the inserter's thread)."""
+    _insert_keys(con, sid, *new_keys)
+    _insert(con, table, data, consts, ids)
 
 
 def _insert_keys(con: duckdb.DuckDBPyConnection, sid: str, request_ids: list[str],
@@ -750,8 +911,9 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | 
         select = ", ".join(f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in data.column_names)
         rel.query("kvtrace_batch", f"INSERT INTO {STORE}.{table} SELECT {key}::INTEGER, {select} FROM kvtrace_batch")
     elif table == "kv_access":
-        ids, first_key = request_ids
-        data = data.append_column("request_id", ids.take(_access_request_keys(con, key, data, first_key)))
+        if "request_id" not in data.column_names:  # not matched in memory (_SlotIndex overflowed)
+            ids, first_key = request_ids
+            data = data.append_column("request_id", ids.take(_access_request_keys(con, key, data, first_key)))
         con.from_arrow(data).query("kvtrace_batch", f"INSERT INTO {STORE}.kv_access SELECT {key}::INTEGER, * "
                                    "FROM kvtrace_batch")
     elif table in KEYED_TABLES:
@@ -761,26 +923,33 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | 
 
 
 def _access_request_keys(con: duckdb.DuckDBPyConnection, proc: int, data: pa.Table, first_key: int) -> pa.Array:
-    """For each device access row, the position among the session's request ids (its request key less
-    `first_key`) of its process's `batch_slots` row with the same step and slot; null without one.
-
-    Among the batch slots of the chunk's steps only (loaded in step order, so DuckDB's min/max per row
-    group skips the rest). In numpy rather than a SQL join, which cost as much and did not keep the
-    rows' order (by step: stored out of order they compress 3x worse). A step's slots are consecutive
-    rows, so a row's position is its step's first row plus its slot; checked, and searched where not."""
+    """`_match_slots` against the process's batch slots stored in the database, those of the chunk's
+    steps only (loaded in step order, so DuckDB's min/max per row group skips the rest). For processes
+    with more batch slots than `_SlotIndex` keeps in memory."""
     steps = pc.fill_null(data.column("step"), -1).to_numpy()
-    slots = pc.fill_null(data.column("slot"), -1).to_numpy()
     lo, hi = int(steps.min()), int(steps.max())
     have = con.sql(f"SELECT step, slot, request_key FROM {STORE}.batch_slots WHERE proc = {int(proc)} AND step "
                    f"BETWEEN {lo} AND {hi} AND slot IS NOT NULL").to_arrow_table()
-    if not have.num_rows:
+    return _match_slots(*_slot_columns(have), data, first_key)
+
+
+def _match_slots(have_steps: np.ndarray, have_slots: np.ndarray, keys: np.ndarray, data: pa.Table,
+                 first_key: int) -> pa.Array:
+    """For each device access row of `data`, the position among the session's request ids (its request
+    key less `first_key`) of the batch slot with the same step and slot; null without one.
+
+    `have_*`: batch slots sorted by (step, slot). In numpy rather than a SQL join, which cost as much and
+    did not keep the rows' order (by step: stored out of order they compress 3x worse). A step's slots
+    are consecutive rows, so a row's position is its step's first row plus its slot; checked, and
+    searched where not."""
+    steps = pc.fill_null(data.column("step"), -1).to_numpy()
+    slots = pc.fill_null(data.column("slot"), -1).to_numpy()
+    lo, hi = int(steps.min()), int(steps.max())
+    a, b = np.searchsorted(have_steps, [lo, hi + 1])  # the chunk's steps only
+    have_steps, have_slots, keys = have_steps[a:b], have_slots[a:b], keys[a:b]
+    if not len(have_steps):
         return pa.nulls(len(steps), pa.int32())
-    have_steps, have_slots = have.column("step").to_numpy(), have.column("slot").to_numpy()
-    keys = pc.fill_null(have.column("request_key"), NULL_REQUEST_KEY).to_numpy()
     pairs = _step_slot(have_steps, have_slots)
-    if not (pairs[1:] >= pairs[:-1]).all():
-        order = np.argsort(pairs, kind="stable")
-        pairs, keys, have_steps, have_slots = pairs[order], keys[order], have_steps[order], have_slots[order]
     starts = np.flatnonzero(np.r_[True, have_steps[1:] != have_steps[:-1]])
     first_row = np.full(hi - lo + 1, -1, dtype=np.int64)
     first_row[have_steps[starts] - lo] = starts

@@ -24,16 +24,29 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvtrace.errors import KvtraceError
 
-try:
-    import adbc_driver_sqlite.dbapi as adbc
-except ImportError:  # optional at run time: stdlib sqlite3 reads the same queries, slower
-    adbc = None
+# adbc_driver_sqlite's DB-API module, imported on first read (`_adbc()`): importing it pulls in pandas
+# and pyarrow.dataset, ~0.5 s that every ingest paid, nsys export or not. None: not installed (it is
+# optional at run time: stdlib sqlite3 reads the same queries, slower).
+_NOT_YET = object()
+adbc: Any = _NOT_YET
+
+
+def _adbc() -> Any:
+    global adbc
+    if adbc is _NOT_YET:
+        try:
+            import adbc_driver_sqlite.dbapi as module
+        except ImportError:
+            module = None
+        adbc = module
+    return adbc
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 INT, REAL, TEXT = "INTEGER", "REAL", "TEXT"
@@ -173,7 +186,7 @@ def read_all(export: Export, table: str, columns: Sequence[Column]) -> pa.Table:
 def _read(export: Export, table: str, sql: str, columns: Sequence[Column]) -> pa.Table:
     """One query's rows (runs on a pool thread, with a connection of its own)."""
     raw = None
-    if adbc is not None:
+    if _adbc() is not None:
         try:
             raw = _read_adbc(export.uri, sql)
             export.readers_used.add("adbc")
@@ -192,7 +205,7 @@ def _read(export: Export, table: str, sql: str, columns: Sequence[Column]) -> pa
 
 
 def _read_adbc(uri: str, sql: str) -> pa.Table:
-    with adbc.connect(uri, autocommit=True) as con, con.cursor() as cur:
+    with _adbc().connect(uri, autocommit=True) as con, con.cursor() as cur:
         cur.execute(sql)
         return cur.fetch_arrow_table()
 

@@ -164,7 +164,7 @@ def test_mixed_types_and_stdlib_fallback(tmp_path, monkeypatch):
         db.execute(f"UPDATE {KERNEL} SET gridX = 'many', blockX = 2.5 WHERE start = 924922186")
         db.execute(f"UPDATE {RUNTIME} SET name = 42")  # pipit's user-added column, now mixed
     results = []
-    for adbc in (nsys_read.adbc, None):
+    for adbc in (nsys_read._adbc(), None):
         monkeypatch.setattr(nsys_read, "adbc", adbc)
         con = duckdb.connect()
         stats = load_nsys(con, path)

@@ -178,6 +178,60 @@ def test_ingest_gathers_batches_into_few_inserts(tmp_path, monkeypatch):
     assert table_digests(tmp_path / "big.duckdb") == table_digests(tmp_path / "small.duckdb")
 
 
+def test_access_request_ids_from_memory_or_from_the_database(tmp_path, monkeypatch):
+    """kv_access rows get their request id from the worker's batch slots kept in memory; past the
+    index's bound, from the batch slots already stored: the same rows either way, and every access row
+    of a scheduled slot named."""
+    synth.generate(tmp_path / "s", 60_000, seed=9)
+    ingest([tmp_path / "s"], tmp_path / "memory.duckdb")
+    monkeypatch.setattr(duckdb_load._SlotIndex, "MAX_ROWS", 100)  # overflows: matched in the database
+    monkeypatch.setattr(duckdb_load, "INSERT_ROWS", 5_000)  # several kv_access chunks, each its own lookup
+    ingest([tmp_path / "s"], tmp_path / "database.duckdb")
+    assert table_digests(tmp_path / "memory.duckdb") == table_digests(tmp_path / "database.duckdb")
+    con = duckdb.connect(str(tmp_path / "memory.duckdb"), read_only=True)
+    try:
+        total, named, unmatched = con.execute("""
+            SELECT count(*), count(a.request_id), count(*) FILTER (a.request_id IS NULL AND b.request_id IS NOT NULL)
+            FROM kv_access a LEFT JOIN batch_slots b USING (session, pid, step, slot)""").fetchone()
+    finally:
+        con.close()
+    assert total > 0 and named > 0 and unmatched == 0
+
+
+@pytest.mark.parametrize("where", ["reading", "inserting"])
+def test_a_failed_ingest_leaves_the_database_as_it_was(tmp_path, monkeypatch, where):
+    """An error while the shards are read (a closed shard cut short, met after earlier chunks were
+    queued) or inside an INSERT (the helper thread's) ends the ingest with that error and rolls the
+    whole session back; a session ingested before is untouched and the database takes the next ingest."""
+    synth.generate(tmp_path / "a", 20_000, seed=3)
+    synth.generate(tmp_path / "b", 60_000, seed=4)
+    db = tmp_path / "t.duckdb"
+    ingest([tmp_path / "a"], db)
+    before = table_digests(db)
+    monkeypatch.setattr(duckdb_load, "INSERT_ROWS", 5_000)  # many chunks in flight when it fails
+    if where == "reading":
+        last = sorted(p for d in proc_dirs(tmp_path / "b") for p in d.glob("layer_timings.*.arrows"))[-1]
+        last.write_bytes(last.read_bytes()[:-100])
+        error = r"layer_timings.*corrupt shard"
+    else:
+        real_insert = duckdb_load._insert
+
+        def failing_insert(con, table, *rest):
+            if table == "kv_access":
+                raise duckdb.ConversionException("injected: kv_access does not fit")
+            return real_insert(con, table, *rest)
+
+        monkeypatch.setattr(duckdb_load, "_insert", failing_insert)
+        error = "injected"
+    with pytest.raises(Exception, match=error):
+        ingest([tmp_path / "b"], db)
+    assert table_digests(db) == before
+    monkeypatch.undo()
+    synth.generate(tmp_path / "c", 20_000, seed=5)
+    ingest([tmp_path / "c"], db)
+    assert table_digests(db) != before
+
+
 def _make_older_layout(db: Path, layout: str) -> None:
     """Rewrite a database into an older kvtrace's layout of the keyed tables: "plain" (tables with the
     process columns) or "proc_key" (the four per-step tables with a process key, request ids and labels
