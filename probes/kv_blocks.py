@@ -15,7 +15,8 @@ call every step (bench/bench_host_probes.py). `free_blocks` is attributed the sa
 copy-on-write retentions) get none.
 
 Cost: the pool methods are wrapped by `exact_wrapper` (the original's own parameter list, so CPython
-keeps specialised calls), rows hold tuples made by C-level maps, and hashes are converted with struct.
+keeps specialised calls), rows hold tuples made by C-level maps, and hashes are kept as vLLM's objects
+until the rows are handed over, then converted together (`hashes64_array`).
 
 `prefix_cache` patches `KVCacheManager.get_computed_blocks` (the lookup) and
 `KVCacheManager.record_prefix_cache_stats` (vLLM counts a lookup there, at admission): a lookup row is
@@ -99,6 +100,28 @@ def hashes64(keys: Any) -> tuple:
         return tuple(map(_first, map(_int64_le, keys)))
     except (TypeError, struct.error):  # None, or a hash that is not bytes (older vLLM)
         return tuple(map(hash64, keys))
+
+
+def hashes64_array(keys: list) -> Any:
+    """`hash64` of each key as an Arrow int64 array, in bulk (NumPy over the joined bytes): what
+    `BlockColumns` does at hand-over, so that a block event only keeps a reference to vLLM's hash."""
+    import numpy as np
+    import pyarrow as pa
+
+    n = len(keys)
+    try:
+        joined = b"".join(keys)
+    except TypeError:  # None, or a hash that is not bytes (older vLLM)
+        return pa.array(list(map(hash64, keys)), pa.int64())
+    lens = np.fromiter(map(len, keys), np.int64, n)
+    if n and lens.min() < 8:  # no vLLM hash is this short; hash64 says what such a key gives
+        return pa.array(list(map(hash64, keys)), pa.int64())
+    raw = np.frombuffer(joined, np.uint8)
+    if n and (lens == lens[0]).all():  # the usual case: every hash of one length
+        first8 = raw.reshape(n, int(lens[0]))[:, :8]
+    else:
+        first8 = raw[(np.cumsum(lens) - lens)[:, None] + np.arange(8)]
+    return pa.array(np.ascontiguousarray(first8).view("<i8").reshape(n))
 
 
 def block_ids(pool: Any, blocks: Any) -> tuple:
@@ -201,7 +224,7 @@ class BlockColumns:
         self.rid: list[str | None] = []
         self.ids: list[int] = []
         self.ids_end: list[int] = []
-        self.hashes: list[int] = []
+        self.hashes: list = []  # vLLM's own hash objects, converted in bulk by to_columns (hashes64_array)
         self.hashes_end: list[int] = []
         self.hashed: list[bool] = []
         self.since_ns = _now()
@@ -231,7 +254,7 @@ class BlockColumns:
 
         ids_end, hashes_end = self.ids_end[:n], self.hashes_end[:n]
         ids = pa.array(self.ids[:ids_end[-1]], type=pa.int32())
-        hashes = pa.array(self.hashes[:hashes_end[-1]], type=pa.int64())
+        hashes = hashes64_array(self.hashes[:hashes_end[-1]])
         no_hashes = pa.array(np.logical_not(np.array(self.hashed[:n], dtype=bool)))
         return {
             "ts_ns": self.ts[:n], "step": self.step[:n], "event": self.event[:n], "kv_group": self.group[:n],
@@ -278,7 +301,7 @@ class BlockPoolProbe(Probe):
             if evicted:
                 got = evicted[:]
                 evicted.clear()
-                full = cols.add(t, "evict", 0, rid, map(_first, got), hashes64(map(_second, got)))
+                full = cols.add(t, "evict", 0, rid, map(_first, got), map(_second, got))
             if blocks:
                 full = cols.add(t, "alloc", 0, rid, map(_block_id, blocks))
             if full:
@@ -287,7 +310,7 @@ class BlockPoolProbe(Probe):
         def on_evict(block: Any, key: Any) -> None:
             if in_alloc[0]:
                 evicted.append((block.block_id, key))
-            elif probe.cols.add(_now(), "evict", 0, caller_request_id(3), (block.block_id,), (hash64(key),)):
+            elif probe.cols.add(_now(), "evict", 0, caller_request_id(3), (block.block_id,), (key,)):
                 probe.take()  # an eviction outside allocation (evict_blocks)
 
         def on_free(pool: Any, blocks: Any) -> None:
@@ -306,8 +329,7 @@ class BlockPoolProbe(Probe):
             if None in keys:  # null or masked-out blocks were not cached
                 new = [b for b, k in zip(new, keys) if k is not None]
                 keys = tuple(k for k in keys if k is not None)
-            if keys and probe.cols.add(_now(), "cache", group, request.request_id, map(_block_id, new),
-                                       hashes64(keys)):
+            if keys and probe.cols.add(_now(), "cache", group, request.request_id, map(_block_id, new), keys):
                 probe.take()
 
         env = {"probe": probe, "on_alloc": on_alloc, "on_evict": on_evict, "on_free": on_free,
