@@ -23,9 +23,11 @@ is idempotent.
 
 Loading streams: shard batches (a recorder flush each, often a few hundred rows) are gathered into
 one INSERT of up to `INSERT_ROWS` rows / `INSERT_BYTES` bytes, because DuckDB's cost per statement
-(~5 ms: planning, registering the Arrow data) would otherwise dwarf the rows. Memory is bounded by
-that gathering and DuckDB's own buffers, never by the session's size. One transaction per session:
-a failed ingest leaves the database as it was.
+(~5 ms: planning, registering the Arrow data) would otherwise dwarf the rows. The main thread reads
+and prepares chunks while one helper thread (`_Inserter`) stores them, in order, through the
+session's one connection. Memory is bounded by the chunks queued there (`QUEUE_ROWS`), a worker's batch
+slots kept for its device accesses (`_SlotIndex.MAX_ROWS`) and DuckDB's own buffers, never by the
+session's size. One transaction per session: a failed ingest leaves the database as it was.
 """
 
 from __future__ import annotations
