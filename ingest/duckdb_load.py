@@ -532,6 +532,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     con.execute("BEGIN TRANSACTION")
     try:
         keys = _SessionKeys(con, sid)
+        # Every process's key first: once the inserter runs, the connection is its thread's.
         consts = []
         for _proc_dir, proc, _shards in shards_by_proc:
             rank, pid = int(proc.get("rank", 0) or 0), int(proc.get("pid", 0) or 0)
@@ -850,9 +851,6 @@ class _Gather:
         if not self.batches:
             return
         table = self.table
-        # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
-        # (a third less CPU than scanning recorder-sized batches), still enough of them to scan in
-        # parallel.
         data = pa.Table.from_batches(self.batches)
         self.batches, self.rows, self.nbytes = [], 0, 0
         if table in KEYED_TABLES:  # before the copy: the key columns are smaller than the text
@@ -866,8 +864,10 @@ class _Gather:
         if table == "kv_access":
             have = self.slots.arrays()
             if have is not None:
-                at = _match_slots(*have, data, self.keys.first_key)
-                data = data.append_column("request_id", pa.DictionaryArray.from_arrays(at, ids[0]))
+                data = _with_request_ids(data, _match_slots(*have, data, self.keys.first_key), ids[0])
+        # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
+        # (a third less CPU than scanning recorder-sized batches), still enough of them to scan in
+        # parallel.
         data = data.combine_chunks()
         data = pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP))
         self.inserter.submit(data.num_rows, _insert_chunk, self.keys.sid, self.keys.take_new(), table, data,
@@ -903,6 +903,9 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | 
         return
     sid, rank, pid, key = consts
     data = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+    if table == "kv_access" and "request_id" not in data.column_names:  # _SlotIndex overflowed
+        ids, first_key = request_ids
+        data = _with_request_ids(data, _access_request_keys(con, key, data, first_key), ids)
     # The chunk is named `kvtrace_batch` for this statement only. Not con.register(): a registered view
     # is a catalog entry, and a dropped one lives on, with the Arrow data it holds, until the
     # transaction ends: memory would grow with the session.
@@ -912,16 +915,16 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | 
         list_col, hash_col, _, _ = UNNESTED[table]
         select = ", ".join(f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in data.column_names)
         rel.query("kvtrace_batch", f"INSERT INTO {STORE}.{table} SELECT {key}::INTEGER, {select} FROM kvtrace_batch")
-    elif table == "kv_access":
-        if "request_id" not in data.column_names:  # not matched in memory (_SlotIndex overflowed)
-            ids, first_key = request_ids
-            data = data.append_column("request_id", ids.take(_access_request_keys(con, key, data, first_key)))
-        con.from_arrow(data).query("kvtrace_batch", f"INSERT INTO {STORE}.kv_access SELECT {key}::INTEGER, * "
-                                   "FROM kvtrace_batch")
     elif table in KEYED_TABLES:
         rel.query("kvtrace_batch", f"INSERT INTO {STORE}.{table} SELECT {key}::INTEGER, * FROM kvtrace_batch")
     else:
         rel.query("kvtrace_batch", f"INSERT INTO {table} SELECT {head}, * FROM kvtrace_batch")
+
+
+def _with_request_ids(data: pa.Table, positions: pa.Array, ids: pa.Array) -> pa.Table:
+    """Device access rows with their trailing `request_id`: `positions` index the session's request ids
+    `ids` (null: no batch slot). Handed to DuckDB as a dictionary array, not as a copy of each string."""
+    return data.append_column("request_id", pa.DictionaryArray.from_arrays(positions, ids))
 
 
 def _access_request_keys(con: duckdb.DuckDBPyConnection, proc: int, data: pa.Table, first_key: int) -> pa.Array:
