@@ -28,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 INGEST_CHILD = r"""
-import json, resource, sys, time
+import json, os, resource, sys, time
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as `kvtrace ingest` sets it
 from kvtrace.ingest import ingest
 t0 = time.perf_counter()
 [report] = ingest([sys.argv[1]], sys.argv[2])

@@ -6,9 +6,9 @@ step and slot).
 
 The big tables, millions of rows in a long run (`KEYED_TABLES`), store keys instead of values that
 repeat on every row: `kvtrace_store.<table>` has `proc INTEGER` where the others have the three
-process columns (into `kvtrace_store.proc_keys`), `request_key INTEGER` for `request_id` in
-step_requests and batch_slots (into `kvtrace_store.request_keys`, per session), and UTINYINT codes for
-the labels (step_requests' `phase` and `kind`, block_events' `event`; into `kvtrace_store.labels`). `main.<table>` is a view with the same
+process columns (into `kvtrace_store.proc_keys`), `request_key INTEGER` for `request_id` (into
+`kvtrace_store.request_keys`, per session; layer_timings has none), and UTINYINT codes for the labels
+(step_requests' `phase` and `kind`, block_events' `event`; into `kvtrace_store.labels`). `main.<table>` is a view with the same
 name, columns and types that joins the values back. DuckDB pays per row on insert for such values (a
 text column costs several integer ones): on bench_scale's 10 M-event session the process key made
 ingest 13% faster, and the request keys and labels made it faster again and the file smaller
@@ -60,8 +60,8 @@ KEYED_TABLES = ("step_requests", "batch_slots", "kv_access", "layer_timings", "b
 # request ids as `request_key` into `request_keys` (per session; key 0 is the null request id, so the
 # view's join is an inner one, which DuckDB may reorder and filter through), labels (a few values:
 # prefill, decode, ...) as a UTINYINT code into `labels` (1-based position in the list of label texts).
-# Not kv_access's request id: queries of device accesses rarely want it, and the join would cost them.
-REQUEST_KEYED = ("step_requests", "batch_slots")
+# kv_access's request ids come from the batch slots' keys (`_match_slots`), never as text.
+REQUEST_KEYED = ("step_requests", "batch_slots", "kv_access", "block_events")
 NULL_REQUEST_KEY = 0
 LABEL_COLUMNS = {"step_requests": ("phase", "kind"), "block_events": ("event",)}
 KNOWN_LABELS = ("prefill", "decode", "new", "resumed", "running",  # codes 1.. on a new database
@@ -331,8 +331,18 @@ def _older_layout(con: duckdb.DuckDBPyConnection, table: str) -> tuple[str, str]
         return None
     con.execute(f"DROP VIEW IF EXISTS main.{table}")
     con.execute(f"ALTER TABLE {STORE}.{table} RENAME TO {table}_older")
-    return (f"(SELECT k.session, k.rank, k.pid, r.* EXCLUDE (proc) FROM {STORE}.{table}_older r "
-            f"JOIN {STORE}.proc_keys k USING (proc))", f"DROP TABLE {STORE}.{table}_older")
+    # Label columns stored as codes already (kv_access and block_events before their request keys) are
+    # read as their texts, as the view showed them.
+    coded = [c for c in LABEL_COLUMNS.get(table, ()) if c in stored and _column_type(con, f"{table}_older", c) == "UTINYINT"]
+    texts = "".join(f" REPLACE (l_{c}.text AS {c})" for c in coded)
+    joins = "".join(f" LEFT JOIN {STORE}.labels l_{c} ON l_{c}.label = r.{c}" for c in coded)
+    return (f"(SELECT k.session, k.rank, k.pid, r.* EXCLUDE (proc){texts} FROM {STORE}.{table}_older r "
+            f"JOIN {STORE}.proc_keys k USING (proc){joins})", f"DROP TABLE {STORE}.{table}_older")
+
+
+def _column_type(con: duckdb.DuckDBPyConnection, table: str, column: str) -> str:
+    return con.execute("SELECT data_type FROM information_schema.columns WHERE table_schema = ? AND "
+                       "table_name = ? AND column_name = ?", [STORE, table, column]).fetchall()[0][0]
 
 
 def store_view_rows(con: duckdb.DuckDBPyConnection, table: str, source: str) -> None:
@@ -860,25 +870,24 @@ class _Gather:
         if has_seq(table):
             data = data.append_column("seq", pa.array(np.arange(self.seq, self.seq + data.num_rows)))
             self.seq += data.num_rows
-        ids = (self.keys.known_ids, self.keys.first_key)  # the session's request ids so far, in key order
         if table == "kv_access":
             have = self.slots.arrays()
-            if have is not None:
-                data = _with_request_ids(data, _match_slots(*have, data, self.keys.first_key), ids[0])
+            if have is not None:  # else _insert reads the batch slots back from the database
+                data = data.append_column("request_key", _match_slots(*have, data))
         # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
         # (a third less CPU than scanning recorder-sized batches), still enough of them to scan in
         # parallel.
         data = data.combine_chunks()
         data = pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP))
         self.inserter.submit(data.num_rows, _insert_chunk, self.keys.sid, self.keys.take_new(), table, data,
-                             self.consts, ids)
+                             self.consts)
 
 
 def _insert_chunk(con: duckdb.DuckDBPyConnection, sid: str, new_keys: tuple, table: str, data: pa.Table,
-                  consts: tuple, ids: tuple) -> None:
+                  consts: tuple) -> None:
     """The keys a chunk is the first to use, then the chunk (in the inserter's thread)."""
     _insert_keys(con, sid, *new_keys)
-    _insert(con, table, data, consts, ids)
+    _insert(con, table, data, consts)
 
 
 def _insert_keys(con: duckdb.DuckDBPyConnection, sid: str, request_ids: list[str],
@@ -894,18 +903,16 @@ def _insert_keys(con: duckdb.DuckDBPyConnection, sid: str, request_ids: list[str
         create_keyed_views(con)
 
 
-def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | pa.Table, consts: tuple,
-            request_ids: tuple[pa.Array, int] | None = None) -> None:
-    """INSERT one gathered chunk of `table`'s shard rows (a RecordBatch or a Table of many); kv_access
-    needs `request_ids`: the session's request ids in key order, and the key of the first."""
+def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | pa.Table, consts: tuple) -> None:
+    """INSERT one gathered chunk of `table`'s shard rows (a RecordBatch or a Table of many), keys
+    given (`_SessionKeys.encode`)."""
     n = batch.num_rows
     if n == 0:
         return
     sid, rank, pid, key = consts
     data = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
-    if table == "kv_access" and "request_id" not in data.column_names:  # _SlotIndex overflowed
-        ids, first_key = request_ids
-        data = _with_request_ids(data, _access_request_keys(con, key, data, first_key), ids)
+    if table == "kv_access" and "request_key" not in data.column_names:  # _SlotIndex overflowed
+        data = data.append_column("request_key", _access_request_keys(con, key, data))
     # The chunk is named `kvtrace_batch` for this statement only. Not con.register(): a registered view
     # is a catalog entry, and a dropped one lives on, with the Arrow data it holds, until the
     # transaction ends: memory would grow with the session.
@@ -921,13 +928,7 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | 
         rel.query("kvtrace_batch", f"INSERT INTO {table} SELECT {head}, * FROM kvtrace_batch")
 
 
-def _with_request_ids(data: pa.Table, positions: pa.Array, ids: pa.Array) -> pa.Table:
-    """Device access rows with their trailing `request_id`: `positions` index the session's request ids
-    `ids` (null: no batch slot). Handed to DuckDB as a dictionary array, not as a copy of each string."""
-    return data.append_column("request_id", pa.DictionaryArray.from_arrays(positions, ids))
-
-
-def _access_request_keys(con: duckdb.DuckDBPyConnection, proc: int, data: pa.Table, first_key: int) -> pa.Array:
+def _access_request_keys(con: duckdb.DuckDBPyConnection, proc: int, data: pa.Table) -> pa.Array:
     """`_match_slots` against the process's batch slots stored in the database, those of the chunk's
     steps only (loaded in step order, so DuckDB's min/max per row group skips the rest). For processes
     with more batch slots than `_SlotIndex` keeps in memory."""
@@ -935,13 +936,12 @@ def _access_request_keys(con: duckdb.DuckDBPyConnection, proc: int, data: pa.Tab
     lo, hi = int(steps.min()), int(steps.max())
     have = con.sql(f"SELECT step, slot, request_key FROM {STORE}.batch_slots WHERE proc = {int(proc)} AND step "
                    f"BETWEEN {lo} AND {hi} AND slot IS NOT NULL").to_arrow_table()
-    return _match_slots(*_slot_columns(have), data, first_key)
+    return _match_slots(*_slot_columns(have), data)
 
 
-def _match_slots(have_steps: np.ndarray, have_slots: np.ndarray, keys: np.ndarray, data: pa.Table,
-                 first_key: int) -> pa.Array:
-    """For each device access row of `data`, the position among the session's request ids (its request
-    key less `first_key`) of the batch slot with the same step and slot; null without one.
+def _match_slots(have_steps: np.ndarray, have_slots: np.ndarray, keys: np.ndarray, data: pa.Table) -> pa.Array:
+    """For each device access row of `data`, the request key of the batch slot with the same step and
+    slot; NULL_REQUEST_KEY without one.
 
     `have_*`: batch slots sorted by (step, slot). In numpy rather than a SQL join, which cost as much and
     did not keep the rows' order (by step: stored out of order they compress 3x worse). A step's slots
@@ -953,7 +953,7 @@ def _match_slots(have_steps: np.ndarray, have_slots: np.ndarray, keys: np.ndarra
     a, b = np.searchsorted(have_steps, [lo, hi + 1])  # the chunk's steps only
     have_steps, have_slots, keys = have_steps[a:b], have_slots[a:b], keys[a:b]
     if not len(have_steps):
-        return pa.nulls(len(steps), pa.int32())
+        return _int32_array(np.full(len(steps), NULL_REQUEST_KEY, np.int32))
     pairs = _step_slot(have_steps, have_slots)
     starts = np.flatnonzero(np.r_[True, have_steps[1:] != have_steps[:-1]])
     first_row = np.full(hi - lo + 1, -1, dtype=np.int64)
@@ -964,8 +964,12 @@ def _match_slots(have_steps: np.ndarray, have_slots: np.ndarray, keys: np.ndarra
     off = pairs[at] != wanted
     if off.any():
         at[off] = np.searchsorted(pairs, wanted[off]).clip(0, len(pairs) - 1)
-    found = (pairs[at] == wanted) & (keys[at] != NULL_REQUEST_KEY)
-    return pa.array(keys[at] - first_key, pa.int32(), mask=~found)
+    return _int32_array(np.where(pairs[at] == wanted, keys[at], NULL_REQUEST_KEY).astype(np.int32, copy=False))
+
+
+def _int32_array(values: np.ndarray) -> pa.Array:
+    """An int32 NumPy array as an Arrow array, without a copy."""
+    return pa.Array.from_buffers(pa.int32(), len(values), [None, pa.py_buffer(values)])
 
 
 def _step_slot(steps: np.ndarray, slots: np.ndarray) -> np.ndarray:

@@ -235,8 +235,26 @@ def test_a_failed_ingest_leaves_the_database_as_it_was(tmp_path, monkeypatch, wh
 def _make_older_layout(db: Path, layout: str) -> None:
     """Rewrite a database into an older kvtrace's layout of the keyed tables: "plain" (tables with the
     process columns) or "proc_key" (the four per-step tables with a process key, request ids and labels
-    as text; block_events plain). A plain block_events had no `seq`: its row order was the recording order."""
+    as text; block_events plain), or "text_ids" (all keyed, kv_access and block_events with their request
+    ids as text). A plain block_events had no `seq`: its row order was the recording order."""
     store = duckdb_load.STORE
+    if layout == "text_ids":
+        con = duckdb.connect(str(db))
+        for t in ("kv_access", "block_events"):
+            cols = ", ".join("q.request_id" if c.split()[0] == "request_key" else f"r.{c.split()[0]}"
+                             for c in duckdb_load.stored_columns(t))
+            con.execute(f"CREATE TABLE {store}.old_{t} AS SELECT {cols} FROM {store}.{t} r "
+                        f"JOIN {store}.request_keys q USING (request_key)")
+            con.execute(f"DROP VIEW {t}")
+            con.execute(f"DROP TABLE {store}.{t}")
+            con.execute(f"ALTER TABLE {store}.old_{t} RENAME TO {t}")
+        con.execute(f"CREATE VIEW kv_access AS SELECT k.session, k.rank, k.pid, r.* EXCLUDE (proc) "
+                    f"FROM {store}.kv_access r JOIN {store}.proc_keys k USING (proc)")
+        con.execute(f"CREATE VIEW block_events AS SELECT k.session, k.rank, k.pid, r.* EXCLUDE (proc) "
+                    f"REPLACE (l.text AS event) FROM {store}.block_events r JOIN {store}.proc_keys k USING (proc) "
+                    f"JOIN {store}.labels l ON l.label = r.event")
+        con.close()
+        return
     keyed_then = ("step_requests", "batch_slots", "kv_access", "layer_timings") if layout == "proc_key" else ()
     con = duckdb.connect(str(db))
     for t in duckdb_load.KEYED_TABLES:
@@ -263,7 +281,7 @@ def block_event_order(db: Path, where: str = "") -> list[tuple]:
                  f"FROM block_events {where} GROUP BY ALL ORDER BY ALL")
 
 
-@pytest.mark.parametrize("layout", ["plain", "proc_key"])
+@pytest.mark.parametrize("layout", ["plain", "proc_key", "text_ids"])
 def test_keyed_tables_read_like_tables_and_older_databases_are_migrated(tmp_path, layout):
     """The per-step tables are stored with keys (duckdb_load.KEYED_TABLES: process, request, labels) and
     read through views with the process columns and texts; re-ingest replaces a session's keyed rows and
