@@ -15,7 +15,8 @@ ingest 13% faster, and the request keys and labels made it faster again and the 
 (docs/performance.md). Queries see the same rows and run about as fast: DuckDB joins key tables of a
 few rows (processes, labels) or a few thousand (requests) into the scan. Edit those tables through
 `stored_table()`, as views take no UPDATE, DELETE or INSERT; `insert_rows()` inserts rows as the view
-shows them. A database written by an older kvtrace is converted on its next ingest.
+shows them. A database written by an older kvtrace is converted on its next ingest. Their columns'
+compression is chosen from the first chunk a database stores (ingest/compression.py).
 
 After the shards, ingest derives `requests` (one row per request) and the session-level tables
 (`sessions`, `procs`, `probes`, `ingest_issues`). Re-ingesting a session replaces its rows, so ingest
@@ -46,6 +47,7 @@ import pyarrow.compute as pc
 
 from kvtrace import schema
 from kvtrace.errors import KvtraceError
+from kvtrace.ingest import compression
 from kvtrace.ingest.shards import ShardRead, list_shards, pad_batch, read_shard
 from kvtrace.session import proc_dirs, read_manifest, read_proc
 
@@ -243,8 +245,12 @@ def stored_columns(table: str) -> list[str]:
     return cols
 
 
-def table_ddl(table: str) -> str:
-    return f"CREATE TABLE IF NOT EXISTS {stored_table(table)} ({', '.join(stored_columns(table))})"
+def table_ddl(table: str, methods: dict[str, str] | None = None) -> str:
+    """`table`'s CREATE TABLE; `methods` ({column: compression method}, see ingest/compression.py) are
+    declared with the columns they name."""
+    methods = methods or {}
+    cols = [c + compression.column_clause(methods.get(c.split()[0])) for c in stored_columns(table)]
+    return f"CREATE TABLE IF NOT EXISTS {stored_table(table)} ({', '.join(cols)})"
 
 
 def keyed_view_ddl(table: str, labels: list[str]) -> str:
@@ -529,7 +535,6 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     manifest = read_manifest(session_dir)
     sid = str(manifest.get("session_id") or session_dir.name)
     create_tables(con)
-    _delete_session(con, sid)
     procs = proc_dirs(session_dir)
     shards_by_proc = [(p, read_proc(p), list_shards(p)) for p in procs]
     total = sum(len(s) for _, _, s in shards_by_proc)
@@ -541,7 +546,11 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     restore = _cap_memory(con)
     con.execute("BEGIN TRANSACTION")
     try:
+        _delete_session(con, sid)  # in the transaction: a failed re-ingest keeps the rows it would replace
         keys = _SessionKeys(con, sid)
+        # Keyed tables still empty get their columns' compression from their first chunk (compression.py).
+        undecided = {t for t in KEYED_TABLES
+                     if not con.execute(f"SELECT count(*) FROM {STORE}.{t}").fetchall()[0][0]}
         # Every process's key first: once the inserter runs, the connection is its thread's.
         consts = []
         for _proc_dir, proc, _shards in shards_by_proc:
@@ -552,7 +561,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
             for (_proc_dir, proc, shards), proc_consts in zip(shards_by_proc, consts):
                 if proc.get("status") not in ("complete", "flushed"):
                     incomplete = True
-                loader = _Gather(inserter, proc_consts, keys)
+                loader = _Gather(inserter, proc_consts, keys, undecided)
                 if _load_shards(shards, loader, bar, rows, issues):
                     incomplete = True
                 loader.flush()
@@ -836,8 +845,9 @@ class _Gather:
     """Gathers one process's batches of one table into big INSERTs (see the module docstring), and
     hands them to the session's `_Inserter`."""
 
-    def __init__(self, inserter: _Inserter, consts: tuple, keys: _SessionKeys):
+    def __init__(self, inserter: _Inserter, consts: tuple, keys: _SessionKeys, undecided: set[str]):
         self.inserter, self.consts, self.keys = inserter, consts, keys
+        self.undecided = undecided  # the session's keyed tables whose compression is not chosen yet
         self.seq = 0  # block_events' next `seq` (this process's calls, in recording order)
         self.slots = _SlotIndex()
         self.table: str | None = None
@@ -874,6 +884,11 @@ class _Gather:
             have = self.slots.arrays()
             if have is not None:  # else _insert reads the batch slots back from the database
                 data = data.append_column("request_key", _match_slots(*have, data))
+        if table in self.undecided:  # the table's first chunk in this database
+            self.undecided.discard(table)
+            methods = compression.choose(_as_stored(table, data))
+            if methods:
+                self.inserter.submit(0, _set_compression, table, methods)
         # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
         # (a third less CPU than scanning recorder-sized batches), still enough of them to scan in
         # parallel.
@@ -881,6 +896,39 @@ class _Gather:
         data = pa.Table.from_batches(data.to_batches(max_chunksize=ROW_GROUP))
         self.inserter.submit(data.num_rows, _insert_chunk, self.keys.sid, self.keys.take_new(), table, data,
                              self.consts)
+
+
+def _as_stored(table: str, data: pa.Table) -> pa.Table:
+    """The first rows of a prepared chunk as the store will hold them (block lists unnested), with the
+    store's column names: what `compression.choose` measures."""
+    if table not in UNNESTED:
+        return data
+    list_col, hash_col, _, _ = UNNESTED[table]
+    # The calls whose blocks make the first SAMPLE_ROWS rows (each call has one block or more).
+    first = data.slice(0, compression.SAMPLE_ROWS).column(list_col)
+    blocks = np.cumsum(pc.fill_null(pc.list_value_length(first), 0).to_numpy(zero_copy_only=False))
+    data = data.slice(0, int(np.searchsorted(blocks, compression.SAMPLE_ROWS)) + 1)
+    ids = data.column(list_col).combine_chunks()
+    parents = pc.list_parent_indices(ids)
+    cols = {c: data.column(c).take(parents) for c in data.column_names if c not in (list_col, hash_col)}
+    cols["block_id"] = pc.list_flatten(ids)
+    hashes = data.column(hash_col).combine_chunks()
+    counts = pc.fill_null(pc.list_value_length(hashes), 0)
+    if pc.all(pc.or_(pc.equal(counts, 0), pc.equal(counts, pc.list_value_length(ids)))).as_py():
+        # A call's hashes are its blocks' (a cache or evict) or none: nulls for the blocks without.
+        has = np.repeat(counts.to_numpy(zero_copy_only=False) > 0, pc.list_value_length(ids).to_numpy(
+            zero_copy_only=False))
+        values = np.zeros(len(has), np.int64)
+        values[has] = pc.list_flatten(hashes).to_numpy()
+        cols["block_hash"] = pa.array(values, mask=~has)
+    return pa.table(cols)
+
+
+def _set_compression(con: duckdb.DuckDBPyConnection, table: str, methods: dict[str, str]) -> None:
+    """Make the (empty) stored `table` again with `methods` declared (in the inserter's thread)."""
+    methods = {"proc": "rle", **methods}  # one process's rows at a time: one run a chunk
+    con.execute(f"DROP TABLE {STORE}.{table}")
+    con.execute(table_ddl(table, methods))
 
 
 def _insert_chunk(con: duckdb.DuckDBPyConnection, sid: str, new_keys: tuple, table: str, data: pa.Table,

@@ -7,16 +7,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import duckdb
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from kvtrace import schema, synth
-from kvtrace.ingest import duckdb_load, ingest
+from kvtrace.ingest import compression, duckdb_load, ingest
 from kvtrace.ingest.shards import ShardRead, list_shards, read_shard
 from kvtrace.record import finalize_session, prepare_session
 from kvtrace.session import proc_dirs, read_proc, session_size_bytes
@@ -198,18 +202,85 @@ def test_access_request_ids_from_memory_or_from_the_database(tmp_path, monkeypat
     assert total > 0 and named > 0 and unmatched == 0
 
 
-@pytest.mark.parametrize("where", ["reading", "inserting"])
+def _declared_methods(db: Path) -> dict[tuple[str, str], str]:
+    """{(keyed table, column): method} declared with USING COMPRESSION."""
+    found = {}
+    for table, sql in q(db, f"SELECT table_name, sql FROM duckdb_tables() WHERE schema_name = '{duckdb_load.STORE}'"):
+        for column, method in re.findall(r'"?(\w+)"? \w+ USING COMPRESSION (\w+)', sql):
+            found[(table, column)] = method.lower()
+    return found
+
+
+def test_keyed_tables_take_their_compression_from_their_first_chunk(tmp_path, monkeypatch):
+    """A new database's keyed tables declare each column's compression, chosen from their first chunk
+    with DuckDB's own size estimates: the method DuckDB picks itself (where the two estimates are not
+    close), the same rows, a choice later sessions keep. Tables whose first chunk is under a row group
+    keep DuckDB's choice per segment."""
+    synth.generate(tmp_path / "s", 60_000, seed=11)
+    synth.generate(tmp_path / "t", 20_000, seed=12)
+    auto = tmp_path / "auto.duckdb"
+    ingest([tmp_path / "s"], auto)
+    assert _declared_methods(auto) == {}  # every first chunk under a row group
+    monkeypatch.setattr(compression, "MIN_ROWS", 4096)
+    monkeypatch.setattr(compression, "SAMPLE_ROWS", 8192)
+    db = tmp_path / "chosen.duckdb"
+    ingest([tmp_path / "s"], db)
+    declared = _declared_methods(db)
+    assert {t for t, _ in declared} == set(duckdb_load.KEYED_TABLES)
+    for table in duckdb_load.KEYED_TABLES:  # every column (all integers)
+        assert {c for t, c in declared if t == table} == {c.split()[0] for c in duckdb_load.stored_columns(table)}
+    assert table_digests(db) == table_digests(auto)
+    con = duckdb.connect(str(auto), read_only=True)
+    agree = close = 0
+    for table in duckdb_load.KEYED_TABLES:
+        rows = con.sql(f"SELECT * FROM {duckdb_load.STORE}.{table} LIMIT 8192").to_arrow_table()
+        picked = dict(con.execute(
+            f"SELECT column_name, mode(compression) FROM pragma_storage_info('{duckdb_load.STORE}.{table}') "
+            "WHERE segment_type <> 'VALIDITY' GROUP BY 1").fetchall())
+        for column in rows.column_names:
+            rle, packed = compression.estimated_bytes(rows.column(column))
+            if picked[column] not in ("RLE", "BitPacking") or max(rle, packed) < 1.25 * min(rle, packed):
+                close += 1  # a constant column, or a close call either way
+                continue
+            assert declared[(table, column)] == picked[column].lower(), (table, column, rle, packed)
+            agree += 1
+    con.close()
+    assert agree > 2 * close
+    ingest([tmp_path / "t"], db)
+    assert _declared_methods(db) == declared
+
+
+def test_compression_estimates():
+    """Long runs cost RLE less than bit packing; values that change every row the other way round;
+    nulls neither break runs nor widen groups; no values, no estimate."""
+    runs = pa.array(np.repeat(np.arange(100, dtype=np.int64) * 10**9, 100))
+    rle, packed = compression.estimated_bytes(runs)
+    assert rle == 100 * (8 + 2) and packed > 5 * rle
+    changing = pa.array(np.arange(10_000, dtype=np.int32) % 97)
+    rle, packed = compression.estimated_bytes(changing)
+    assert packed < rle / 4
+    with_nulls = pa.array(np.repeat(np.arange(100, dtype=np.int64), 100), mask=np.arange(10_000) % 3 == 0)
+    assert compression.estimated_bytes(with_nulls)[0] == 100 * (8 + 2)
+    assert compression.estimated_bytes(pa.nulls(5000, pa.int64())) is None
+    assert compression.choose(pa.table({"x": changing.slice(0, 100)})) == {}  # under MIN_ROWS
+
+
+@pytest.mark.parametrize("where", ["reading", "inserting", "re-ingest"])
 def test_a_failed_ingest_leaves_the_database_as_it_was(tmp_path, monkeypatch, where):
     """An error while the shards are read (a closed shard cut short, met after earlier chunks were
     queued) or inside an INSERT (the helper thread's) ends the ingest with that error and rolls the
-    whole session back; a session ingested before is untouched and the database takes the next ingest."""
+    whole session back; a session ingested before is untouched, also when the failed ingest was to
+    replace it (re-ingest), and the database takes the next ingest."""
     synth.generate(tmp_path / "a", 20_000, seed=3)
-    synth.generate(tmp_path / "b", 60_000, seed=4)
+    if where == "re-ingest":  # b: a cut copy of session a, whose rows it would replace
+        shutil.copytree(tmp_path / "a", tmp_path / "b")
+    else:
+        synth.generate(tmp_path / "b", 60_000, seed=4)
     db = tmp_path / "t.duckdb"
     ingest([tmp_path / "a"], db)
     before = table_digests(db)
     monkeypatch.setattr(duckdb_load, "INSERT_ROWS", 5_000)  # many chunks in flight when it fails
-    if where == "reading":
+    if where in ("reading", "re-ingest"):
         last = sorted(p for d in proc_dirs(tmp_path / "b") for p in d.glob("layer_timings.*.arrows"))[-1]
         last.write_bytes(last.read_bytes()[:-100])
         error = r"layer_timings.*corrupt shard"
