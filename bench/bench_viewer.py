@@ -56,7 +56,7 @@ def make_sql(events: int, work: Path) -> Path:
         VALUES ('bench', 'complete', ?, 0, 16, 4096, 32, 8192, 'bench-sql', '0.32.0', 'job(?P<job>\\d+)-turn(?P<turn>\\d+)')""",
                 [t0])
     # One step every 8 ms: schedule 0.3 ms, the rest executing.
-    insert_select(con, "steps", f"""SELECT 'bench', 0, 1, i + 1, {t0} + i * 8000000, {t0} + i * 8000000 + 300000,
+    con.execute(f"""INSERT INTO steps SELECT 'bench', 0, 1, i + 1, {t0} + i * 8000000, {t0} + i * 8000000 + 300000,
         {t0} + i * 8000000 + 7900000, 64 + (i % 5) * 40, (i % 5) * 40, 64, (i % 5 > 0)::INT * 2, 30, 32, i % 3,
         1800 + (i * 37) % 1800, 4096, 8192, 32,
         CASE i % 7 WHEN 0 THEN 'kv-insuf' WHEN 3 THEN 'tok-budget' ELSE 'none' END, (i % 997 = 0)::INT,
@@ -70,7 +70,7 @@ def make_sql(events: int, work: Path) -> Path:
         {pos} * 16, ({pos} % 8 = 0)::INT, CASE WHEN {pos} = 0 THEN 'new' ELSE 'running' END
         FROM range({n_steps}) a(i), range({lanes}) b(l)""")
     ev = f"{t0} + i * 8000000"
-    insert_select(con, "request_events", f"""SELECT 'bench', 0, 1, {ev} + e * 1000, i + 1, {req},
+    con.execute(f"""INSERT INTO request_events SELECT 'bench', 0, 1, {ev} + e * 1000, i + 1, {req},
         ['arrival', 'queued', 'scheduled', 'first_token', 'finished'][e + 1],
         CASE e WHEN 0 THEN 900 WHEN 2 THEN 640 ELSE 1 END, CASE e WHEN 4 THEN 'length' END
         FROM range({n_steps}) a(i), range({lanes}) b(l), range(5) c(e)
@@ -81,7 +81,7 @@ def make_sql(events: int, work: Path) -> Path:
         CASE WHEN {pos} = {life - 1} THEN l * 128 + j ELSE {blk} END, NULL
         FROM range({n_steps}) a(i), range({lanes}) b(l), range({life // 8}) c(j)
         WHERE ({pos} % 8 = 0 AND j = 0) OR {pos} = {life - 1}""")
-    insert_select(con, "prefix_lookups", f"""SELECT 'bench', 0, 1, {ev}, i + 1, {req}, 900, 640, 40, 56, 4, [], NULL, 0
+    con.execute(f"""INSERT INTO prefix_lookups SELECT 'bench', 0, 1, {ev}, i + 1, {req}, 900, 640, 40, 56, 4, [], NULL, 0
         FROM range({n_steps}) a(i), range({lanes}) b(l) WHERE {pos} = 0""")
     con.execute(f"""INSERT INTO preemptions SELECT 'bench', 0, 1, {ev} + 200000, i + 1, 'job3-turn' || ((i + 21) // {life}),
         512, 32, 40 FROM range({n_steps}) t(i) WHERE i % 997 = 0""")

@@ -4,15 +4,15 @@ Every row gets the process columns (`session`, `rank`, `pid`). Block events are 
 per block; device access records get their request id from the worker's batch slots (same process,
 step and slot).
 
-The per-step tables (`KEYED_TABLES`: millions of rows in a long run) store keys instead of values that
+The big tables, millions of rows in a long run (`KEYED_TABLES`), store keys instead of values that
 repeat on every row: `kvtrace_store.<table>` has `proc INTEGER` where the others have the three
 process columns (into `kvtrace_store.proc_keys`), `request_key INTEGER` for `request_id` (into
-`kvtrace_store.request_keys`, per session; steps and layer_timings have none), and UTINYINT codes for
-the labels (`LABEL_COLUMNS`; into `kvtrace_store.labels`). `main.<table>` is a view with the same
+`kvtrace_store.request_keys`, per session; layer_timings has none), and UTINYINT codes for the labels
+(step_requests' `phase` and `kind`, block_events' `event`; into `kvtrace_store.labels`). `main.<table>` is a view with the same
 name, columns and types that joins the values back. DuckDB pays per row on insert for such values (a
-text column costs several integer ones), and again at COMMIT for the rows of tables too small to fill
-a row group, which it keeps in memory until then: on bench_scale's 10 M-event session the keys made
-ingest faster and the file smaller at each step (docs/performance.md). Queries see the same rows and run about as fast: DuckDB joins key tables of a
+text column costs several integer ones): on bench_scale's 10 M-event session the process key made
+ingest 13% faster, and the request keys and labels made it faster again and the file smaller
+(docs/performance.md). Queries see the same rows and run about as fast: DuckDB joins key tables of a
 few rows (processes, labels) or a few thousand (requests) into the scan. Edit those tables through
 `stored_table()`, as views take no UPDATE, DELETE or INSERT; `insert_rows()` inserts rows as the view
 shows them. A database written by an older kvtrace is converted on its next ingest. Their columns'
@@ -57,21 +57,17 @@ DUCK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER", "int64
 
 # The tables stored with keys, and where (see the module docstring).
 STORE = "kvtrace_store"
-KEYED_TABLES = ("step_requests", "batch_slots", "kv_access", "layer_timings", "block_events", "steps",
-                "request_events", "prefix_lookups")
+KEYED_TABLES = ("step_requests", "batch_slots", "kv_access", "layer_timings", "block_events")
 # Text columns of the keyed tables stored as a small integer into a key table (the view gives the text):
 # request ids as `request_key` into `request_keys` (per session; key 0 is the null request id, so the
 # view's join is an inner one, which DuckDB may reorder and filter through), labels (a few values:
 # prefill, decode, ...) as a UTINYINT code into `labels` (1-based position in the list of label texts).
 # kv_access's request ids come from the batch slots' keys (`_match_slots`), never as text.
-REQUEST_KEYED = ("step_requests", "batch_slots", "kv_access", "block_events", "request_events", "prefix_lookups")
+REQUEST_KEYED = ("step_requests", "batch_slots", "kv_access", "block_events")
 NULL_REQUEST_KEY = 0
-LABEL_COLUMNS = {"step_requests": ("phase", "kind"), "block_events": ("event",), "request_events": ("event",),
-                 "steps": ("admission_stop",)}
+LABEL_COLUMNS = {"step_requests": ("phase", "kind"), "block_events": ("event",)}
 KNOWN_LABELS = ("prefill", "decode", "new", "resumed", "running",  # codes 1.. on a new database
-                "alloc", "free", "touch", "cache", "evict",
-                "arrival", "queued", "scheduled", "first_token", "preempted", "finished",
-                "tok-budget", "max-seqs", "kv-insuf", "blocked", "lora", "none")
+                "alloc", "free", "touch", "cache", "evict")
 KEY_TABLES_DDL = (
     f"CREATE TABLE IF NOT EXISTS {STORE}.proc_keys (proc INTEGER, session VARCHAR, rank INTEGER, pid INTEGER)",
     f"CREATE TABLE IF NOT EXISTS {STORE}.request_keys (request_key INTEGER, session VARCHAR, request_id VARCHAR)",

@@ -12,7 +12,6 @@ from collections import defaultdict
 import duckdb
 import pytest
 
-from kvtrace.ingest.duckdb_load import stored_table
 from tests.conftest import query as q
 from tests.conftest import run_kvtrace
 
@@ -185,12 +184,11 @@ def test_edited_copy_edge_cases(recorded_run, tmp_path):
     shutil.copy(recorded_run["db"], db)
     con = duckdb.connect(str(db))
     last = con.execute("SELECT max(step) FROM steps").fetchall()[0][0]
-    steps = stored_table("steps")  # a view over the stored rows
-    con.execute(f"UPDATE {steps} SET t_end_ns = NULL WHERE step = ?", [last])
+    con.execute("UPDATE steps SET t_end_ns = NULL WHERE step = ?", [last])
     (end2,), = con.execute("SELECT t_end_ns FROM steps WHERE step = 2").fetchall()
     (s3, e3), = con.execute("SELECT t_start_ns, t_sched_end_ns FROM steps WHERE step = 3").fetchall()
     shift = s3 - (end2 - 1000)
-    con.execute(f"UPDATE {steps} SET t_start_ns = t_start_ns - ?, t_sched_end_ns = t_sched_end_ns - ? WHERE step = 3",
+    con.execute("UPDATE steps SET t_start_ns = t_start_ns - ?, t_sched_end_ns = t_sched_end_ns - ? WHERE step = 3",
                 [shift, shift])
     con.execute("INSERT INTO pins SELECT session, 0, 1, t_end_ns, step, 'pin', 'job0-x', [1, 2], 10, 'ttl' FROM steps "
                 "WHERE step = 5")

@@ -226,16 +226,13 @@ def test_keyed_tables_take_their_compression_from_their_first_chunk(tmp_path, mo
     db = tmp_path / "chosen.duckdb"
     ingest([tmp_path / "s"], db)
     declared = _declared_methods(db)
-    # Each table is one process's in this session: its first chunk is all of its rows.
-    big = {t for t in duckdb_load.KEYED_TABLES if q(auto, f"SELECT count(*) FROM {t}")[0][0] >= 4096}
-    assert {t for t, _ in declared} == big and {"kv_access", "step_requests", "block_events"} <= big
-    for table in big:  # every integer column
-        assert {c for t, c in declared if t == table} == \
-            {c.split()[0] for c in duckdb_load.stored_columns(table) if not c.endswith("[]")}
+    assert {t for t, _ in declared} == set(duckdb_load.KEYED_TABLES)
+    for table in duckdb_load.KEYED_TABLES:  # every column (all integers)
+        assert {c for t, c in declared if t == table} == {c.split()[0] for c in duckdb_load.stored_columns(table)}
     assert table_digests(db) == table_digests(auto)
     con = duckdb.connect(str(auto), read_only=True)
     agree = close = 0
-    for table in big:
+    for table in duckdb_load.KEYED_TABLES:
         rows = con.sql(f"SELECT * FROM {duckdb_load.STORE}.{table} LIMIT 8192").to_arrow_table()
         picked = dict(con.execute(
             f"SELECT column_name, mode(compression) FROM pragma_storage_info('{duckdb_load.STORE}.{table}') "
@@ -309,17 +306,11 @@ def test_a_failed_ingest_leaves_the_database_as_it_was(tmp_path, monkeypatch, wh
 def _make_older_layout(db: Path, layout: str) -> None:
     """Rewrite a database into an older kvtrace's layout of the keyed tables: "plain" (tables with the
     process columns) or "proc_key" (the four per-step tables with a process key, request ids and labels
-    as text; block_events plain), or "text_ids" (those and block_events keyed, kv_access and
-    block_events with their request ids as text; steps, request_events and prefix_lookups plain). A
-    plain block_events had no `seq`: its row order was the recording order."""
+    as text; block_events plain), or "text_ids" (all keyed, kv_access and block_events with their request
+    ids as text). A plain block_events had no `seq`: its row order was the recording order."""
     store = duckdb_load.STORE
     if layout == "text_ids":
         con = duckdb.connect(str(db))
-        for t in ("steps", "request_events", "prefix_lookups"):  # then plain tables
-            con.execute(f"CREATE TABLE old_{t} AS SELECT * FROM {t}")
-            con.execute(f"DROP VIEW {t}")
-            con.execute(f"DROP TABLE {store}.{t}")
-            con.execute(f"ALTER TABLE old_{t} RENAME TO {t}")
         for t in ("kv_access", "block_events"):
             cols = ", ".join("q.request_id" if c.split()[0] == "request_key" else f"r.{c.split()[0]}"
                              for c in duckdb_load.stored_columns(t))
@@ -383,8 +374,8 @@ def test_keyed_tables_read_like_tables_and_older_databases_are_migrated(tmp_path
     # One key per request id of the session (plus key 0, the null id), labels as their codes.
     assert con.execute(f"SELECT count(*), count(DISTINCT request_id) FROM {store}.request_keys WHERE session = ?",
                        [sid_a]).fetchall() == con.execute(
-        "SELECT count(DISTINCT request_id), count(DISTINCT request_id) FROM ("
-        + " UNION ALL ".join(f"SELECT request_id FROM {t}" for t in duckdb_load.REQUEST_KEYED) + ")").fetchall()
+        "SELECT count(DISTINCT request_id), count(DISTINCT request_id) FROM (SELECT request_id FROM step_requests "
+        "UNION ALL SELECT request_id FROM batch_slots)").fetchall()
     assert con.execute(f"SELECT request_id FROM {store}.request_keys WHERE request_key = 0").fetchall() == [(None,)]
     assert dict(con.execute("SELECT phase, count(*) FROM step_requests GROUP BY 1").fetchall()).keys() == \
         {"prefill", "decode"}
@@ -427,8 +418,8 @@ def test_labels_and_request_ids_new_to_the_database_get_keys(tmp_path, monkeypat
     assert table_digests(db) == table_digests(tmp_path / "seeded.duckdb")
     con = duckdb.connect(str(db))
     texts = [t for t, in con.execute(f"SELECT text FROM {duckdb_load.STORE}.labels ORDER BY label").fetchall()]
-    used = con.execute(" UNION ".join(f"SELECT DISTINCT {c} FROM {t} WHERE {c} IS NOT NULL"
-                                      for t, cols in duckdb_load.LABEL_COLUMNS.items() for c in cols)).fetchall()
+    used = con.execute("SELECT DISTINCT phase FROM step_requests UNION SELECT DISTINCT kind FROM step_requests "
+                       "UNION SELECT DISTINCT event FROM block_events").fetchall()
     assert texts[0] == "decode" and sorted(texts) == sorted(t for t, in used) and len(texts) >= 4
     sid, pid = con.execute("SELECT session, pid FROM step_requests LIMIT 1").fetchone()
     duckdb_load.insert_rows(con, "step_requests", [(sid, 0, pid, 10**9, "by-hand", 3, "prefill", 0, 0, 1, "odd")])

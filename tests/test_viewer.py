@@ -385,8 +385,10 @@ def hostile_db(recorded_run, tmp_path_factory) -> Path:
     shutil.copy(recorded_run["db"], db)
     con = duckdb.connect(str(db))
     (a,), (b,) = con.execute("SELECT request_id FROM requests ORDER BY arrival_ns LIMIT 2").fetchall()
-    # The keyed tables (duckdb_load.REQUEST_KEYED) store a request key: their ids change with the key table's.
-    for table in ("requests", "preemptions", "pins", "transfers", f"{STORE}.request_keys"):
+    # The keyed tables (step_requests, batch_slots, kv_access, block_events) store a request key: their
+    # ids change with the key table's.
+    for table in ("requests", "request_events", "prefix_lookups", "preemptions", "pins", "transfers",
+                  f"{STORE}.request_keys"):
         con.execute(f"UPDATE {stored_table(table)} SET request_id = CASE request_id WHEN ? THEN ? ELSE ? END "
                     "WHERE request_id IN (?, ?)", [a, EVIL_ID, EVIL_ID2, a, b])
     con.execute("UPDATE sessions SET model = ?", [EVIL_MODEL])
