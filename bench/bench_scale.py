@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 INGEST_CHILD = r"""
 import json, os, resource, sys, time
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as `kvtrace ingest` sets it
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as `kvtrace ingest` sets them
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 from kvtrace.ingest import ingest
 t0 = time.perf_counter()
 [report] = ingest([sys.argv[1]], sys.argv[2])

@@ -116,9 +116,12 @@ def ingest(sessions, db, nsys, job_pattern, progress) -> None:
     kvtrace ingest run1 --nsys report.sqlite -o run1.duckdb
     kvtrace ingest --nsys report.sqlite -o nsys.duckdb
     """
-    # NumPy's OpenBLAS threads spin after each call: ~0.2 s of CPU over a 10 M-event ingest on 2 cores,
-    # for linear algebra ingest never does. Set before kvtrace.ingest imports NumPy; a user's value stands.
+    # Set before kvtrace.ingest imports NumPy and pyarrow; a user's values stand. NumPy's OpenBLAS threads
+    # spin after each call: ~0.2 s of CPU over a 10 M-event ingest on 2 cores, for linear algebra
+    # ingest never does. pyarrow's buffers from glibc's allocator rather than its default (mimalloc):
+    # 35 MB less peak memory and a little less CPU for the same ingest (docs/performance.md).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
     from kvtrace.ingest import ingest as do_ingest
 
     if not sessions and not nsys:
