@@ -248,6 +248,21 @@ def test_keyed_tables_take_their_compression_from_their_first_chunk(tmp_path, mo
     assert agree > 2 * close
     ingest([tmp_path / "t"], db)
     assert _declared_methods(db) == declared
+    # A first ingest that fails after the tables were made again rolls that back too.
+    real_insert = duckdb_load._insert
+
+    def failing_insert(con, table, *rest):
+        if table == "kv_access":
+            raise duckdb.ConversionException("injected")
+        return real_insert(con, table, *rest)
+
+    monkeypatch.setattr(duckdb_load, "_insert", failing_insert)
+    with pytest.raises(duckdb.ConversionException, match="injected"):
+        ingest([tmp_path / "s"], tmp_path / "failed.duckdb")
+    assert _declared_methods(tmp_path / "failed.duckdb") == {}
+    monkeypatch.setattr(duckdb_load, "_insert", real_insert)
+    ingest([tmp_path / "s"], tmp_path / "failed.duckdb")
+    assert _declared_methods(tmp_path / "failed.duckdb") == declared
 
 
 def test_compression_estimates():
