@@ -169,8 +169,9 @@ def main() -> None:
               f"{mb(i['maxrss_bytes']):>10} {mb(r['duckdb_bytes']):>11} {r['bytes_per_event']:>8.2f} "
               f"{mb(p['bytes']):>11} {p['wall_s']:>6.1f}s {mb(r['shard_bytes']):>11} {r['load_avg_1m']:>5}",
               flush=True)
-    print("ingest ev/s: as `kvtrace ingest` reports it (the session's transaction, BEGIN to COMMIT); "
-          "call ev/s: the whole ingest() call (opening the database, making its tables, the final checkpoint).")
+    print("ingest ev/s: as `kvtrace ingest` reports it (the session's transaction, BEGIN to a COMMIT that "
+          "checkpoints: the session is in the file); "
+          "call ev/s: the whole ingest() call (opening the database and making its tables too).")
     print("bare ev/s: DuckDB storing the same shard tables as they are, from memory, in one transaction "
           "(no process columns, no unnest, no request ids, text stored as text); +read: with the reading of "
           "the shards before it: what this machine's DuckDB does today with the shards' cells as they are.")

@@ -594,9 +594,9 @@ def _ingest_settings(con: duckdb.DuckDBPyConnection):
     - DuckDB's memory limit lowered to INGEST_MEMORY_LIMIT: it otherwise keeps the blocks it has
       written cached, up to 80% of RAM, so RSS would grow with the session.
     - The checkpoint threshold at 1 byte, so that COMMIT checkpoints: DuckDB then writes the rows it
-      held in memory (tables too small to fill a row group) straight into the file. Below the default
-      16 MiB of WAL it wrote them to the WAL instead, and the CHECKPOINT after wrote them again: 0.07 s
-      more for bench_scale's 10 M-event session, and the session's rate leaving out that last write."""
+      held in memory (tables too small to fill a row group) straight into the file, as it does anyway
+      past the default 16 MiB of WAL (bench_scale's 10 M-event session). Below that, it wrote them to
+      the WAL, the CHECKPOINT after ingest wrote them again, and the session's rate left that out."""
     restore = []
     for name, value in (("memory_limit", f"{INGEST_MEMORY_LIMIT}B"), ("checkpoint_threshold", "1B")):
         try:
