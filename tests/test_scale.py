@@ -202,6 +202,19 @@ def test_access_request_ids_from_memory_or_from_the_database(tmp_path, monkeypat
     assert total > 0 and named > 0 and unmatched == 0
 
 
+def _fail_kv_access_inserts(monkeypatch) -> object:
+    """Make every INSERT of kv_access rows raise (in the inserter's thread); returns the real `_insert`."""
+    real_insert = duckdb_load._insert
+
+    def failing_insert(con, table, *rest):
+        if table == "kv_access":
+            raise duckdb.ConversionException("injected: kv_access does not fit")
+        return real_insert(con, table, *rest)
+
+    monkeypatch.setattr(duckdb_load, "_insert", failing_insert)
+    return real_insert
+
+
 def _declared_methods(db: Path) -> dict[tuple[str, str], str]:
     """{(keyed table, column): method} declared with USING COMPRESSION."""
     found = {}
@@ -249,14 +262,7 @@ def test_keyed_tables_take_their_compression_from_their_first_chunk(tmp_path, mo
     ingest([tmp_path / "t"], db)
     assert _declared_methods(db) == declared
     # A first ingest that fails after the tables were made again rolls that back too.
-    real_insert = duckdb_load._insert
-
-    def failing_insert(con, table, *rest):
-        if table == "kv_access":
-            raise duckdb.ConversionException("injected")
-        return real_insert(con, table, *rest)
-
-    monkeypatch.setattr(duckdb_load, "_insert", failing_insert)
+    real_insert = _fail_kv_access_inserts(monkeypatch)
     with pytest.raises(duckdb.ConversionException, match="injected"):
         ingest([tmp_path / "s"], tmp_path / "failed.duckdb")
     assert _declared_methods(tmp_path / "failed.duckdb") == {}
@@ -300,14 +306,7 @@ def test_a_failed_ingest_leaves_the_database_as_it_was(tmp_path, monkeypatch, wh
         last.write_bytes(last.read_bytes()[:-100])
         error = r"layer_timings.*corrupt shard"
     else:
-        real_insert = duckdb_load._insert
-
-        def failing_insert(con, table, *rest):
-            if table == "kv_access":
-                raise duckdb.ConversionException("injected: kv_access does not fit")
-            return real_insert(con, table, *rest)
-
-        monkeypatch.setattr(duckdb_load, "_insert", failing_insert)
+        _fail_kv_access_inserts(monkeypatch)
         error = "injected"
     with pytest.raises(Exception, match=error):
         ingest([tmp_path / "b"], db)
