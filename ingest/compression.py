@@ -58,7 +58,7 @@ def estimated_bytes(column: pa.ChunkedArray | pa.Array) -> tuple[float, float] |
         if column.null_count:
             return None
     width = column.type.bit_width // 8
-    values = np.asarray(column.to_numpy() if isinstance(column, pa.Array) else column.to_numpy(), np.int64)
+    values = np.asarray(column.to_numpy(), np.int64)
     n = len(values)
     if n < 2:
         return None

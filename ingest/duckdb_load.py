@@ -180,7 +180,7 @@ def markdown() -> str:
 # Shard rows gathered into one INSERT (block_events rows unnest to ~10 database rows each).
 INSERT_ROWS = 1_000_000
 INSERT_BYTES = 192 << 20
-ROW_GROUP = 122_880  # DuckDB's row group size
+ROW_GROUP = compression.ROW_GROUP
 INGEST_MEMORY_LIMIT = 1 << 30  # bytes DuckDB may keep during an ingest (it spills past it)
 
 
@@ -332,23 +332,18 @@ def _older_layout(con: duckdb.DuckDBPyConnection, table: str) -> tuple[str, str]
         # block_events' `seq` is the recording order, which such a table kept as its row order.
         seq = ", rowid AS seq" if has_seq(table) else ""
         return f"(SELECT *{seq} FROM main.{table})", f"DROP TABLE main.{table}"
-    stored = _columns(con, STORE, table)
-    if not stored or stored == [c.split()[0] for c in stored_columns(table)]:
+    stored = _column_types(con, STORE, table)
+    if not stored or list(stored) == [c.split()[0] for c in stored_columns(table)]:
         return None
     con.execute(f"DROP VIEW IF EXISTS main.{table}")
     con.execute(f"ALTER TABLE {STORE}.{table} RENAME TO {table}_older")
     # Label columns stored as codes already (kv_access and block_events before their request keys) are
     # read as their texts, as the view showed them.
-    coded = [c for c in LABEL_COLUMNS.get(table, ()) if c in stored and _column_type(con, f"{table}_older", c) == "UTINYINT"]
+    coded = [c for c in LABEL_COLUMNS.get(table, ()) if stored.get(c) == "UTINYINT"]
     texts = "".join(f" REPLACE (l_{c}.text AS {c})" for c in coded)
     joins = "".join(f" LEFT JOIN {STORE}.labels l_{c} ON l_{c}.label = r.{c}" for c in coded)
     return (f"(SELECT k.session, k.rank, k.pid, r.* EXCLUDE (proc){texts} FROM {STORE}.{table}_older r "
             f"JOIN {STORE}.proc_keys k USING (proc){joins})", f"DROP TABLE {STORE}.{table}_older")
-
-
-def _column_type(con: duckdb.DuckDBPyConnection, table: str, column: str) -> str:
-    return con.execute("SELECT data_type FROM information_schema.columns WHERE table_schema = ? AND "
-                       "table_name = ? AND column_name = ?", [STORE, table, column]).fetchall()[0][0]
 
 
 def store_view_rows(con: duckdb.DuckDBPyConnection, table: str, source: str) -> None:
@@ -410,10 +405,11 @@ def _insert_labels(con: duckdb.DuckDBPyConnection, labels: list[tuple[int, str]]
         con.execute(f"INSERT INTO {STORE}.labels VALUES (?, ?)", [label, text])
 
 
-def _columns(con: duckdb.DuckDBPyConnection, schema_name: str, table: str) -> list[str]:
-    return [r[0] for r in con.execute(
-        "SELECT column_name FROM information_schema.columns WHERE table_schema = ? AND table_name = ? "
-        "ORDER BY ordinal_position", [schema_name, table]).fetchall()]
+def _column_types(con: duckdb.DuckDBPyConnection, schema_name: str, table: str) -> dict[str, str]:
+    """{column: type} of a table, in column order; {} when there is no such table."""
+    return dict(con.execute(
+        "SELECT column_name, data_type FROM information_schema.columns WHERE table_schema = ? AND table_name = ? "
+        "ORDER BY ordinal_position", [schema_name, table]).fetchall())
 
 
 def proc_key(con: duckdb.DuckDBPyConnection, session: str, rank: int, pid: int) -> int:
@@ -923,18 +919,18 @@ def _as_stored(table: str, data: pa.Table) -> pa.Table:
     list_col, hash_col, _, _ = UNNESTED[table]
     # The calls whose blocks make the first SAMPLE_ROWS rows (each call has one block or more).
     first = data.slice(0, compression.SAMPLE_ROWS).column(list_col)
-    blocks = np.cumsum(pc.fill_null(pc.list_value_length(first), 0).to_numpy(zero_copy_only=False))
-    data = data.slice(0, int(np.searchsorted(blocks, compression.SAMPLE_ROWS)) + 1)
+    rows_so_far = np.cumsum(pc.fill_null(pc.list_value_length(first), 0).to_numpy(zero_copy_only=False))
+    data = data.slice(0, int(np.searchsorted(rows_so_far, compression.SAMPLE_ROWS)) + 1)
     ids = data.column(list_col).combine_chunks()
     parents = pc.list_parent_indices(ids)
     cols = {c: data.column(c).take(parents) for c in data.column_names if c not in (list_col, hash_col)}
     cols["block_id"] = pc.list_flatten(ids)
     hashes = data.column(hash_col).combine_chunks()
-    counts = pc.fill_null(pc.list_value_length(hashes), 0)
-    if pc.all(pc.or_(pc.equal(counts, 0), pc.equal(counts, pc.list_value_length(ids)))).as_py():
+    counts = pc.fill_null(pc.list_value_length(hashes), 0).to_numpy(zero_copy_only=False)
+    blocks = pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False)
+    if ((counts == 0) | (counts == blocks)).all():
         # A call's hashes are its blocks' (a cache or evict) or none: nulls for the blocks without.
-        has = np.repeat(counts.to_numpy(zero_copy_only=False) > 0, pc.list_value_length(ids).to_numpy(
-            zero_copy_only=False))
+        has = np.repeat(counts > 0, blocks)
         values = np.zeros(len(has), np.int64)
         values[has] = pc.list_flatten(hashes).to_numpy()
         cols["block_hash"] = pa.array(values, mask=~has)

@@ -117,7 +117,7 @@ def ingest(sessions, db, nsys, job_pattern, progress) -> None:
     kvtrace ingest --nsys report.sqlite -o nsys.duckdb
     """
     # Set before kvtrace.ingest imports NumPy and pyarrow; a user's values stand. NumPy's OpenBLAS threads
-    # spin after each call: ~0.2 s of CPU over a 10 M-event ingest on 2 cores, for linear algebra
+    # spin after each call: ~0.3 s of CPU over a 10 M-event ingest on 2 cores, for linear algebra
     # ingest never does. pyarrow's buffers from glibc's allocator rather than its default (mimalloc):
     # 35 MB less peak memory and a little less CPU for the same ingest (docs/performance.md).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
