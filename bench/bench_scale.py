@@ -32,7 +32,9 @@ import json, os, resource, sys, time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as `kvtrace ingest` sets them
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 from kvtrace.ingest import ingest
+from kvtrace.ingest.duckdb_load import settle_pyarrow_without_pandas
 t0 = time.perf_counter()
+settle_pyarrow_without_pandas()  # as `kvtrace ingest` does
 [report] = ingest([sys.argv[1]], sys.argv[2])
 wall = time.perf_counter() - t0
 ru = resource.getrusage(resource.RUSAGE_SELF)
