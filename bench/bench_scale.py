@@ -176,8 +176,7 @@ def main() -> None:
     t_all = time.perf_counter()
     results = []
     print(f"{'events':>12} {'ingest ev/s':>13} {'range':>19} {'call ev/s':>11} {'bare ev/s':>11} {'+read':>11} "
-          f"{'wall':>7} "
-          f"{'cpu':>7} {'peak RSS':>10} {'DuckDB':>11} {'B/event':>8} {'Parquet':>11} {'export':>7} {'shards':>11} "
+          f"{'wall':>7} {'cpu':>7} {'peak RSS':>10} {'DuckDB':>11} {'B/event':>8} {'Parquet':>11} {'export':>7} {'shards':>11} "
           f"{'load':>5}")
     for n in sizes:
         r = run_size(n, root, args.seed, max(1, args.repeat))

@@ -184,6 +184,9 @@ ROW_GROUP = compression.ROW_GROUP
 INGEST_MEMORY_LIMIT = 1 << 30  # bytes DuckDB may keep during an ingest (it spills past it)
 
 
+_pyarrow_settled = False  # settle_pyarrow_without_pandas ran: pyarrow has made its pandas check
+
+
 def warm_up_pyarrow() -> None:
     """Let pyarrow import pandas in a helper thread now, instead of on the first `pa.array()` call.
 
@@ -191,11 +194,11 @@ def warm_up_pyarrow() -> None:
     for pandas inputs: ~0.45 s of CPU on this project's machines, which an ingest otherwise spends in
     its main thread while DuckDB waits for the first chunk (10% of bench_scale's 10 M-event ingest).
     Started before the database is opened and its tables made, it runs beside them. Nothing is done
-    when pandas is imported already or not installed."""
+    when pandas is imported already or not installed, or after `settle_pyarrow_without_pandas`."""
     import importlib.util
     import sys
 
-    if "pandas" in sys.modules or importlib.util.find_spec("pandas") is None:
+    if _pyarrow_settled or "pandas" in sys.modules or importlib.util.find_spec("pandas") is None:
         return
 
     def convert_once() -> None:
@@ -236,6 +239,8 @@ def settle_pyarrow_without_pandas() -> None:
         pass
     finally:
         sys.meta_path.remove(finder)
+    global _pyarrow_settled
+    _pyarrow_settled = True
 
 
 def duck_type(t: pa.DataType) -> str:

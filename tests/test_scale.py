@@ -453,7 +453,6 @@ def test_ingest_reports_progress_and_throughput(tmp_path, capsys):
     assert "20,000 events in" in proc.stdout and "/s)" in proc.stdout
 
 
-
 # `kvtrace ingest` in a fresh process, then: was pandas imported, and can pyarrow still use it when asked?
 CLI_INGEST_THEN_PANDAS = r"""
 import json, sys
@@ -476,8 +475,10 @@ def test_cli_ingest_does_not_import_pandas(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"imported_by_ingest": False, "to_pandas": [1, 2]}
-    [r] = ingest([tmp_path / "s"], tmp_path / "api.duckdb")  # the same rows as through the API
+    ingest([tmp_path / "s"], tmp_path / "api.duckdb")  # the same rows as through the API
     assert table_digests(tmp_path / "cli.duckdb") == table_digests(tmp_path / "api.duckdb")
+
+
 # ---- long recordings -----------------------------------------------------------------------------
 def test_shard_writer_rotates_by_size_and_age(tmp_path):
     from kvtrace.recorder import ShardWriter, rows_to_batch
