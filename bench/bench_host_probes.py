@@ -13,8 +13,12 @@ enough to preempt.
 
 Each round builds a fresh scheduler and runs the whole workload; rounds alternate probes off / on in one
 process (probes installed with a real `Recorder` writing Arrow shards to a temporary session, in the
-background, as in a recorded engine, and removed with `probe.uninstall()`). Prints steps/s per round,
-medians, the overhead, the rows recorded against what vLLM itself counted, drops, and a final table.
+background, as in a recorded engine, and removed with `probe.uninstall()`). An on-round ends by flushing
+the recorder inside its timed window: the writer's work for that round's rows (Arrow conversion, IPC
+serialisation, the file writes) is charged to it. Before 2026-11-23 it was not, and the last ~0.5 s of
+each on-round's rows were written during the next off-round, which understated the overhead by ~4 points.
+Prints steps/s per round, medians, the overhead, the rows recorded against what vLLM itself counted,
+drops, and a final table.
 
 Two clocks: wall-clock steps/s (what the issue asks for) and steps per CPU-second of the whole process
 (probes, and the recorder's writer thread, included). On a shared 2-core machine the wall clock mostly
@@ -34,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,8 +67,11 @@ class Counters:
 
 
 def run_round(model: str, cfg: DrivenConfig, prompts: list[list[int]], concurrency: int,
-              max_tokens: int) -> tuple[float, Counters]:
-    """One whole workload on a fresh scheduler; returns (CPU seconds spent stepping, counters)."""
+              max_tokens: int, finish: Callable[[], None] | None = None) -> tuple[float, Counters]:
+    """One whole workload on a fresh scheduler; returns (CPU seconds spent stepping, counters).
+
+    `finish` runs at the end, inside the timed window: the on-rounds flush the recorder there, so the
+    writer's work for a round's rows is charged to that round, not left to the next (an off-round)."""
     d = DrivenScheduler(model, cfg)
     c = Counters()
     for i in range(concurrency):
@@ -88,6 +96,8 @@ def run_round(model: str, cfg: DrivenConfig, prompts: list[list[int]], concurren
                 c.lookups += p.requests + p.preempted_requests
                 c.queries += p.queries + p.preempted_queries
                 c.hits += p.hits + p.preempted_hits
+    if finish is not None:
+        finish()
     c.wall = time.perf_counter() - t0
     c.cpu = time.process_time() - c0  # every thread of the process: the probes and the shard writer
     c.main_cpu = time.thread_time() - m0  # the scheduler's thread only
@@ -141,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for i, mode in enumerate(order):
         probes = install_probes(rec, names) if mode == "on" else []
-        _, c = run_round(model, cfg, prompts, args.concurrency, args.max_tokens)
+        _, c = run_round(model, cfg, prompts, args.concurrency, args.max_tokens,
+                         finish=rec.flush if mode == "on" else None)
         uninstall_probes(probes)
         warm = i < 2
         print(f"  round {i // 2:2d} {mode:3s}: {c.steps} steps, {c.wall:6.3f} s wall = {c.steps / c.wall:6.1f} "
