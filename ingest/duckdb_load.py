@@ -682,6 +682,13 @@ def _load_shards(shards: list, loader: _Gather, bar: Progress, rows: dict[str, i
 
 
 def _delete_session(con: duckdb.DuckDBPyConnection, sid: str) -> None:
+    """Delete `sid`'s rows (a re-ingest replaces them). A session is stored whole or not at all (one
+    transaction, which writes its `sessions` row and process keys), so when it has neither there is
+    nothing to delete: one query instead of a DELETE per table (~10 ms on a first ingest)."""
+    (stored,), = con.execute(f"""SELECT EXISTS (SELECT 1 FROM sessions WHERE session = $s)
+        OR EXISTS (SELECT 1 FROM {STORE}.proc_keys WHERE session = $s)""", {"s": sid}).fetchall()
+    if not stored:
+        return
     for table in [*schema.TABLES, *SESSION_TABLES]:
         if table in KEYED_TABLES:
             con.execute(f"DELETE FROM {STORE}.{table} WHERE proc IN "
