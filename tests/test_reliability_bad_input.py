@@ -133,6 +133,18 @@ def test_empty_session_directory(tmp_path):
                           "not a kvtrace session")
 
 
+def test_a_job_pattern_that_is_not_a_regular_expression(tmp_path):
+    """Refused before anything is loaded."""
+    from kvtrace import synth
+
+    synth.generate(tmp_path / "s", 20_000, seed=3)
+    db = tmp_path / "x.duckdb"
+    assert_one_line_error(kv("ingest", str(tmp_path / "s"), "-o", str(db), "--job-pattern", "job(?P<job>"),
+                          "--job-pattern", "not a regular expression")
+    with duckdb.connect(str(db), read_only=True) as con:  # not even the tables were made
+        assert con.execute("SELECT count(*) FROM information_schema.tables").fetchall() == [(0,)]
+
+
 def test_a_directory_where_a_file_is_expected(tmp_path):
     d = tmp_path / "adir"
     d.mkdir()
