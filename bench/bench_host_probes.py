@@ -16,7 +16,7 @@ process (probes installed with a real `Recorder` writing Arrow shards to a tempo
 background, as in a recorded engine, and removed with `probe.uninstall()`). An on-round ends by flushing
 the recorder inside its timed window: the writer's work for that round's rows (Arrow conversion, IPC
 serialisation, the file writes) is charged to it. Before 2026-11-23 it was not, and the last ~0.5 s of
-each on-round's rows were written during the next off-round, which understated the overhead by ~4 points.
+each on-round's rows were written during the next off-round, which understated the overhead by ~3-4 points.
 Prints steps/s per round, medians, the overhead, the rows recorded against what vLLM itself counted,
 drops, and a final table.
 

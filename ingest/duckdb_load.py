@@ -1117,6 +1117,7 @@ def _insert_proc(con: duckdb.DuckDBPyConnection, sid: str, proc: dict) -> None:
 
 
 def _insert_session(con, sid, session_dir, manifest, procs, status, job_pattern) -> None:
+    """The session's row; `job_pattern` as ingest_session resolved it (the user's, else the manifest's)."""
     engine: dict[str, Any] = {}
     for p in procs:
         cfg = read_proc(p).get("engine_config") or {}
@@ -1134,8 +1135,7 @@ def _insert_session(con, sid, session_dir, manifest, procs, status, job_pattern)
         manifest.get("exit_code"), engine.get("block_size"), engine.get("num_kv_blocks"),
         engine.get("max_num_seqs"), engine.get("max_num_batched_tokens"),
         engine.get("enable_prefix_caching"), engine.get("enable_chunked_prefill"),
-        engine.get("kv_connector"), engine.get("model"),
-        job_pattern or manifest.get("options", {}).get("job_pattern"),
+        engine.get("kv_connector"), engine.get("model"), job_pattern,
         json.dumps(manifest, default=str), time.time_ns()])
 
 
