@@ -933,7 +933,8 @@ class _Gather:
             self.flush()
             self.table = table
         self.batches.append(batch)
-        self.rows += batch.num_rows
+        # Counted as stored: a block_events row per block (unnested in flush), not per call.
+        self.rows += _block_count(batch, table) if table in UNNESTED else batch.num_rows
         self.nbytes += batch.get_total_buffer_size()  # `nbytes` costs 50 us a batch on slices
         if self.rows >= INSERT_ROWS or self.nbytes >= INSERT_BYTES:
             self.flush()
@@ -952,13 +953,15 @@ class _Gather:
         if has_seq(table):
             data = data.append_column("seq", pa.array(np.arange(self.seq, self.seq + data.num_rows)))
             self.seq += data.num_rows
+        if table in UNNESTED:
+            data = _unnest_blocks(table, data)
         if table == "kv_access":
             have = self.slots.arrays()
             if have is not None:  # else _insert reads the batch slots back from the database
                 data = data.append_column("request_key", _match_slots(*have, data))
         if table in self.undecided:  # the table's first chunk in this database
             self.undecided.discard(table)
-            methods = compression.choose(_as_stored(table, data))
+            methods = compression.choose(data)
             if methods:
                 self.inserter.submit(0, _set_compression, table, methods)
         # DuckDB pays per Arrow batch as well: copy the small batches into ones of a row group's size
@@ -970,30 +973,67 @@ class _Gather:
                              self.consts)
 
 
-def _as_stored(table: str, data: pa.Table) -> pa.Table:
-    """The first rows of a prepared chunk as the store will hold them (block lists unnested), with the
-    store's column names: what `compression.choose` measures."""
-    if table not in UNNESTED:
-        return data
-    list_col, hash_col, _, _ = UNNESTED[table]
-    # The calls whose blocks make the first SAMPLE_ROWS rows (each call has one block or more).
-    first = data.slice(0, compression.SAMPLE_ROWS).column(list_col)
-    rows_so_far = np.cumsum(pc.fill_null(pc.list_value_length(first), 0).to_numpy(zero_copy_only=False))
-    data = data.slice(0, int(np.searchsorted(rows_so_far, compression.SAMPLE_ROWS)) + 1)
-    ids = data.column(list_col).combine_chunks()
-    parents = pc.list_parent_indices(ids)
-    cols = {c: data.column(c).take(parents) for c in data.column_names if c not in (list_col, hash_col)}
-    cols["block_id"] = pc.list_flatten(ids)
-    hashes = data.column(hash_col).combine_chunks()
-    counts = pc.fill_null(pc.list_value_length(hashes), 0).to_numpy(zero_copy_only=False)
-    blocks = pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False)
-    if ((counts == 0) | (counts == blocks)).all():
-        # A call's hashes are its blocks' (a cache or evict) or none: nulls for the blocks without.
-        has = np.repeat(counts > 0, blocks)
-        values = np.zeros(len(has), np.int64)
-        values[has] = pc.list_flatten(hashes).to_numpy()
-        cols["block_hash"] = pa.array(values, mask=~has)
+def _block_count(batch: pa.RecordBatch, table: str) -> int:
+    """The rows `batch` (shard rows of an UNNESTED table) will be once unnested: its block ids, or its
+    calls where that is more (a call with no block still takes a slot in the chunk's accounting)."""
+    ids = batch.column(UNNESTED[table][0])
+    offsets = ids.offsets
+    return max(batch.num_rows, offsets[len(ids)].as_py() - offsets[0].as_py()) if len(ids) else 0
+
+
+def _unnest_blocks(table: str, data: pa.Table) -> pa.Table:
+    """`data` (a chunk of shard rows, one per call) with its block lists unnested: one row per block,
+    the store's columns in the store's order. Done here, in the reading thread, instead of by DuckDB's
+    UNNEST in the INSERT: DuckDB's thread is the one every chunk waits for, and a flat chunk costs it
+    ~15-25% less (docs/performance.md, ninth session).
+
+    As DuckDB's `SELECT UNNEST(block_ids), UNNEST(block_hashes)` does: the two lists of a call side by
+    side, the shorter padded with nulls (a call's hashes are usually its blocks' or none); a call whose
+    lists are both empty or null gives no row."""
+    list_col, hash_col, id_def, hash_def = UNNESTED[table]
+    data = data.combine_chunks()
+    ids, hashes = data.column(list_col).chunk(0), data.column(hash_col).chunk(0)
+    n_ids, n_hashes = _list_lengths(ids), _list_lengths(hashes)
+    n_rows = np.maximum(n_ids, n_hashes)
+    cols = {}
+    for name in data.column_names:
+        if name == list_col:
+            cols[id_def.split()[0]] = _padded(pc.list_flatten(ids), n_ids, n_rows)
+        elif name == hash_col:
+            cols[hash_def.split()[0]] = _padded(pc.list_flatten(hashes), n_hashes, n_rows)
+        else:
+            cols[name] = _repeated(data.column(name).chunk(0), n_rows)
     return pa.table(cols)
+
+
+def _repeated(values: pa.Array, counts: np.ndarray) -> pa.Array:
+    """Each value `counts` times (NumPy's repeat where it can: ~10x Arrow's take by index)."""
+    if pa.types.is_integer(values.type) and not values.null_count:
+        return pa.array(np.repeat(values.to_numpy(), counts))
+    return values.take(pa.array(np.repeat(np.arange(len(values), dtype=np.int64), counts)))
+
+
+def _list_lengths(lists: pa.Array) -> np.ndarray:
+    """Values in each list (0 for a null list), as int64."""
+    return pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _padded(values: pa.Array, lengths: np.ndarray, n_rows: np.ndarray) -> pa.Array:
+    """The flattened `values` of lists of `lengths`, each list followed by nulls up to its `n_rows`."""
+    if np.array_equal(lengths, n_rows):
+        return values
+    if pa.types.is_integer(values.type) and not values.null_count and ((lengths == 0) | (lengths == n_rows)).all():
+        # The usual odd case: a call has a value for each of its rows (a cache, an evict) or none.
+        has = np.repeat(lengths > 0, n_rows)
+        out = np.zeros(len(has), values.type.to_pandas_dtype())
+        out[has] = values.to_numpy()
+        return pa.array(out, mask=~has)
+    total = int(n_rows.sum())
+    starts = np.repeat(np.cumsum(n_rows) - n_rows, n_rows)
+    valid = (np.arange(total) - starts) < np.repeat(lengths, n_rows)
+    index = np.zeros(total, np.int64)
+    index[valid] = np.arange(len(values))
+    return values.take(pa.array(index, mask=~valid))
 
 
 def _set_compression(con: duckdb.DuckDBPyConnection, table: str, methods: dict[str, str]) -> None:
@@ -1041,11 +1081,7 @@ def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.RecordBatch | 
     # relation and its view cost ~1.5 ms more a statement, ~10% of a 1 M-event ingest's INSERTs.
     kvtrace_batch = data  # noqa: F841 - read by name
     head = f"'{_sql_str(sid)}' AS session, {rank}::INTEGER AS rank, {pid}::INTEGER AS pid"
-    if table in UNNESTED:  # block_events: keyed, and numbered (`seq`) in _Gather.flush
-        list_col, hash_col, _, _ = UNNESTED[table]
-        select = ", ".join(f"UNNEST({c}) AS {c}" if c in (list_col, hash_col) else c for c in data.column_names)
-        con.execute(f"INSERT INTO {STORE}.{table} SELECT {key}::INTEGER, {select} FROM kvtrace_batch")
-    elif table in KEYED_TABLES:
+    if table in KEYED_TABLES:  # keyed, block lists unnested and numbered (`seq`) in _Gather.flush
         con.execute(f"INSERT INTO {STORE}.{table} SELECT {key}::INTEGER, * FROM kvtrace_batch")
     else:
         con.execute(f"INSERT INTO {table} SELECT {head}, * FROM kvtrace_batch")

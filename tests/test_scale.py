@@ -172,14 +172,40 @@ def test_ingest_gathers_batches_into_few_inserts(tmp_path, monkeypatch):
     real_insert = duckdb_load._insert
     monkeypatch.setattr(duckdb_load, "_insert", lambda con, t, data, *rest: (calls.append(data.num_rows),
                                                                              real_insert(con, t, data, *rest)))
-    ingest([tmp_path / "s"], tmp_path / "big.duckdb")
-    assert sum(calls) == 40_000 and len(calls) <= len(schema.TABLES) * 2 < batches
+    [report] = ingest([tmp_path / "s"], tmp_path / "big.duckdb")
+    # Every shard row is read; every stored row came in one of the few INSERTs (block_events' rows
+    # unnested before theirs: one per block, not per call).
+    stored = sum(q(tmp_path / "big.duckdb", f"SELECT count(*) FROM {t}")[0][0] for t in schema.TABLES)
+    assert report["events"] == 40_000 and sum(calls) == stored
+    assert len(calls) <= len(schema.TABLES) * 2 < batches
     big = len(calls)
     monkeypatch.setattr(duckdb_load, "INSERT_ROWS", 1_000)  # many small chunks
     calls.clear()
     ingest([tmp_path / "s"], tmp_path / "small.duckdb")
     assert len(calls) > big
     assert table_digests(tmp_path / "big.duckdb") == table_digests(tmp_path / "small.duckdb")
+
+
+def test_block_lists_unnested_in_arrow_as_duckdb_unnests_them():
+    """_unnest_blocks gives the rows DuckDB's `SELECT UNNEST(ids), UNNEST(hashes)` gives, for the usual
+    calls (hashes for every block, or none) and the odd ones (lists of different lengths, null or empty
+    lists, a null inside a list)."""
+    chunk = pa.table({
+        "ts_ns": pa.array([1, 2, 3, 4, 5, 6, 7, 8], pa.int64()),
+        "event": pa.array(["alloc", "cache", "free", "evict", "touch", "cache", "free", "alloc"]),
+        "block_ids": pa.array([[1, 2], [3, 4], [], None, [5], [6, 7, 8], [9, None], [10]], pa.list_(pa.int32())),
+        "block_hashes": pa.array([None, [30, 40], None, None, [], [60], [90, 91, 92], None],
+                                 pa.list_(pa.int64())),
+        "seq": pa.array(range(8), pa.int64()),
+    })
+    flat = duckdb_load._unnest_blocks("block_events", chunk)
+    assert flat.column_names == ["ts_ns", "event", "block_id", "block_hash", "seq"]
+    con = duckdb.connect()
+    expected = con.execute("SELECT ts_ns, event, UNNEST(block_ids), UNNEST(block_hashes), seq FROM chunk").fetchall()
+    got = con.execute("SELECT * FROM flat").fetchall()
+    assert sorted(got, key=repr) == sorted(expected, key=repr)
+    assert [r[4] for r in got] == sorted(r[4] for r in got)  # the calls' order is kept
+    assert len(got) == 2 + 2 + 1 + 3 + 3 + 1
 
 
 def test_access_request_ids_from_memory_or_from_the_database(tmp_path, monkeypatch):
