@@ -17,14 +17,17 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
     """Load session directories (and Nsight SQLite exports) into the DuckDB file at `db_path`.
 
     Each session's rows replace any earlier ingest of the same session. An export given with one
-    session is aligned to that session's clock; given alone it is loaded unaligned.
+    session is aligned to that session's clock; given alone it is loaded unaligned. The last session's
+    COMMIT writes every session of the call into the file (`ingest_session`'s `checkpoint`), so its
+    report's seconds carry the writing of the sessions before it.
     """
     warm_up_pyarrow()
     con = open_db(db_path)
     try:
         if not sessions:  # ingest_session makes them otherwise (once is enough: ~0.1 s even when they exist)
             create_tables(con)
-        reports = [ingest_session(con, s, progress=progress, job_pattern=job_pattern) for s in sessions]
+        reports = [ingest_session(con, s, progress=progress, job_pattern=job_pattern,
+                                  checkpoint=i == len(sessions) - 1) for i, s in enumerate(sessions)]
         for path in nsys or []:
             from kvtrace.ingest import nsys as nsys_mod
 

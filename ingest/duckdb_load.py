@@ -316,18 +316,70 @@ def create_keyed_views(con: duckdb.DuckDBPyConnection) -> None:
 
 def create_tables(con: duckdb.DuckDBPyConnection) -> None:
     """Every kvtrace table and view (IF NOT EXISTS), in one transaction: DuckDB commits each DDL
-    statement on its own otherwise, and ~100 commits cost ~0.8 s on a database file."""
+    statement on its own otherwise, and ~100 commits cost ~0.8 s on a database file.
+
+    Nothing is done when this code laid the database out already (`_layout_is_current`): checking each
+    table and making its view again cost ~65 ms, paid by every session ingested into the database."""
+    if _layout_is_current(con):
+        return
     try:
         con.execute("BEGIN TRANSACTION")
     except duckdb.TransactionException:  # the caller's transaction: its COMMIT covers these too
         _create_tables(con)
+        _note_layout(con)
         return
     try:
         _create_tables(con)
+        _note_layout(con)
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
         raise
+
+
+def _layout_digest() -> str:
+    """A fingerprint of the tables and views `_create_tables` makes (their DDL as this code writes it,
+    labels aside): a database whose `kvtrace_meta` holds it was laid out by code that makes the same."""
+    import hashlib
+
+    from kvtrace.ingest import nsys, nsys_align
+
+    parts = [str(schema.SCHEMA_VERSION), *KEY_TABLES_DDL, *KNOWN_LABELS,
+             *(table_ddl(t) for t in schema.TABLES), *(keyed_view_ddl(t, []) for t in KEYED_TABLES),
+             *(f"{t} ({c})" for t, c in SESSION_TABLES.items()), *(f"{t} ({c})" for t, c in nsys.TABLES.items()),
+             *nsys_align.NSYS_VIEWS, *nsys_align.STEP_VIEWS]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _catalog(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """The database's tables and views, as "schema.name"."""
+    return {f"{s}.{n}" for s, n in con.execute(
+        "SELECT table_schema, table_name FROM information_schema.tables WHERE table_catalog = current_database()"
+    ).fetchall()}
+
+
+def _note_layout(con: duckdb.DuckDBPyConnection) -> None:
+    """Remember in `kvtrace_meta` which code laid the database out, and what it made."""
+    objects = json.dumps(sorted(_catalog(con)))
+    con.execute("INSERT OR REPLACE INTO kvtrace_meta VALUES ('layout', ?), ('layout_objects', ?)",
+                [_layout_digest(), objects])
+
+
+def _layout_is_current(con: duckdb.DuckDBPyConnection) -> bool:
+    """True when `_note_layout` saw this code lay the database out and every table and view it made is
+    still there (a user may have dropped one)."""
+    try:
+        meta = dict(con.execute("SELECT key, value FROM kvtrace_meta WHERE key IN ('layout', 'layout_objects')"
+                                ).fetchall())
+    except duckdb.CatalogException:  # a new database, or one from before kvtrace_meta
+        return False
+    if meta.get("layout") != _layout_digest():
+        return False
+    try:
+        made = set(json.loads(meta.get("layout_objects") or "null"))
+    except (TypeError, ValueError):
+        return False
+    return made <= _catalog(con)
 
 
 def _create_tables(con: duckdb.DuckDBPyConnection) -> None:
@@ -339,8 +391,10 @@ def _create_tables(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(f"INSERT INTO {STORE}.request_keys VALUES ({NULL_REQUEST_KEY}, NULL, NULL)")
     if not con.execute(f"SELECT count(*) FROM {STORE}.labels").fetchall()[0][0]:
         _insert_labels(con, _give_label_codes({}, list(KNOWN_LABELS)))
+    existing = _catalog(con)
     for table in schema.TABLES:
-        older = _older_layout(con, table) if table in KEYED_TABLES else None
+        older = (_older_layout(con, table) if table in KEYED_TABLES and existing & {f"main.{table}", f"{STORE}.{table}"}
+                 else None)
         con.execute(table_ddl(table))
         if older is not None:
             source, drop = older
@@ -561,8 +615,14 @@ class Progress:
 
 
 def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, progress: bool = False,
-                   job_pattern: str | None = None) -> dict[str, Any]:
-    """Load one session directory into the open database; returns a report (rows, issues, status)."""
+                   job_pattern: str | None = None, checkpoint: bool = True) -> dict[str, Any]:
+    """Load one session directory into the open database; returns a report (rows, issues, status).
+
+    With `checkpoint` (the default) the COMMIT writes the session into the database file, and the
+    report's seconds include that. Without, DuckDB may keep the rows in its WAL until a later
+    checkpoint: `ingest()` does so for every session of a call but the last, whose COMMIT then writes
+    them all (one checkpoint per session made a 20-session ingest ~25% slower and its file ~25% larger,
+    docs/performance.md)."""
     session_dir = Path(session_dir)
     manifest = read_manifest(session_dir)
     sid = str(manifest.get("session_id") or session_dir.name)
@@ -578,7 +638,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
     issues: list[tuple[str, str, int]] = []
     incomplete = manifest.get("status") not in ("complete",)
     t0 = time.monotonic()
-    restore = _ingest_settings(con)
+    restore = _ingest_settings(con, checkpoint)
     con.execute("BEGIN TRANSACTION")
     try:
         _delete_session(con, sid)  # in the transaction: a failed re-ingest keeps the rows it would replace
@@ -636,17 +696,19 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
             "probes": _probe_report(con, sid)}
 
 
-def _ingest_settings(con: duckdb.DuckDBPyConnection):
+def _ingest_settings(con: duckdb.DuckDBPyConnection, checkpoint: bool = True):
     """Settings for the ingest's transaction; returns a function that puts the connection's back.
 
     - DuckDB's memory limit lowered to INGEST_MEMORY_LIMIT: it otherwise keeps the blocks it has
       written cached, up to 80% of RAM, so RSS would grow with the session.
-    - The checkpoint threshold at 1 byte, so that COMMIT checkpoints: DuckDB then writes the rows it
-      held in memory (tables too small to fill a row group) straight into the file, as it does anyway
-      past the default 16 MiB of WAL (bench_scale's 10 M-event session). Below that, it wrote them to
-      the WAL, the CHECKPOINT after ingest wrote them again, and the session's rate left that out."""
+    - With `checkpoint`, the checkpoint threshold at 1 byte, so that COMMIT checkpoints: DuckDB then
+      writes the rows it held in memory (tables too small to fill a row group) straight into the file,
+      as it does anyway past the default 16 MiB of WAL (bench_scale's 10 M-event session). Below that,
+      it wrote them to the WAL, the CHECKPOINT after ingest wrote them again, and the session's rate
+      left that out."""
     restore = []
-    for name, value in (("memory_limit", f"{INGEST_MEMORY_LIMIT}B"), ("checkpoint_threshold", "1B")):
+    settings = [("memory_limit", f"{INGEST_MEMORY_LIMIT}B")] + ([("checkpoint_threshold", "1B")] if checkpoint else [])
+    for name, value in settings:
         try:
             before = con.execute(f"SELECT current_setting('{name}')").fetchall()[0][0]
             if name == "memory_limit" and _bytes(before) <= INGEST_MEMORY_LIMIT:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,7 +131,10 @@ def ingest(sessions, db, nsys, job_pattern, progress) -> None:
     if not sessions and not nsys:
         raise KvtraceError("nothing to ingest: give a session directory and/or --nsys FILE")
     show = sys.stderr.isatty() if progress is None else progress
-    for report in do_ingest(list(sessions), db, nsys=list(nsys), progress=show, job_pattern=job_pattern):
+    t0 = time.monotonic()
+    reports = do_ingest(list(sessions), db, nsys=list(nsys), progress=show, job_pattern=job_pattern)
+    seconds = time.monotonic() - t0
+    for report in reports:
         if "nsys" in report:
             click.echo(f"nsys {report['nsys']}: " + ", ".join(
                 f"{k} {v}" for k, v in report.items() if k not in ("nsys",) and not isinstance(v, dict)))
@@ -141,6 +145,10 @@ def ingest(sessions, db, nsys, job_pattern, progress) -> None:
             click.echo(f"  incomplete: {problem}")
         for line in report["probes"]:
             click.echo(f"  probe {line}")
+    if len(sessions) > 1:  # the sessions' own seconds leave out the database's opening and last checkpoint
+        events = sum(r.get("events", 0) for r in reports if "nsys" not in r)
+        click.echo(f"{len(sessions)} sessions: {events:,} events in {seconds:.2f} s "
+                   f"({events / seconds if seconds > 0 else 0:,.0f}/s), all of it -> {db}")
 
 
 def _print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:

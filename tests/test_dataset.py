@@ -145,6 +145,35 @@ def test_cli_export_sessions_and_query_dataset(twenty, tmp_path):
     assert len(json.loads(proc.stdout)) == 4
 
 
+def test_cli_ingests_many_sessions_with_one_checkpoint(twenty, tmp_path):
+    """Several sessions in one `kvtrace ingest`: one line each and one for them all; only the last
+    session's COMMIT checkpoints (ingest_session's `checkpoint`), yet every session is in the file when
+    the command ends (no WAL left) and stores what ingesting it alone stores."""
+    db = tmp_path / "three.duckdb"
+    three = twenty["sessions"][:3]
+    proc = subprocess.run([sys.executable, "-m", "kvtrace", "ingest", *map(str, three), "-o", str(db)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("session ") for line in lines) == 3
+    events = sum(int(line.split(": ")[1].split(" events")[0].replace(",", "")) for line in lines
+                 if line.startswith("session "))
+    assert f"3 sessions: {events:,} events in " in lines[-1]
+    assert not Path(f"{db}.wal").exists()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        rows = {r[0]: r for r in rows_of(con, "summary")[1]}
+    finally:
+        con.close()
+    for alone_db in twenty["alone"][:3]:
+        alone = duckdb.connect(str(alone_db), read_only=True)
+        try:
+            [row] = rows_of(alone, "summary")[1]
+        finally:
+            alone.close()
+        assert same(rows[row[0]], row)
+
+
 def test_export_replaces_a_session_and_keeps_the_others(tmp_path):
     big = synth.generate(tmp_path / "big", 30_000, seed=1, session_id="run-1")
     other = synth.generate(tmp_path / "other", 9_000, seed=2)

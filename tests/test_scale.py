@@ -347,8 +347,11 @@ def _make_older_layout(db: Path, layout: str) -> None:
     """Rewrite a database into an older kvtrace's layout of the keyed tables: "plain" (tables with the
     process columns) or "proc_key" (the four per-step tables with a process key, request ids and labels
     as text; block_events plain), or "text_ids" (all keyed, kv_access and block_events with their request
-    ids as text). A plain block_events had no `seq`: its row order was the recording order."""
+    ids as text). A plain block_events had no `seq`: its row order was the recording order. Such a
+    kvtrace noted no layout in `kvtrace_meta` either."""
     store = duckdb_load.STORE
+    with duckdb.connect(str(db)) as con:
+        con.execute("DELETE FROM kvtrace_meta WHERE key LIKE 'layout%'")
     if layout == "text_ids":
         con = duckdb.connect(str(db))
         for t in ("kv_access", "block_events"):
@@ -384,6 +387,39 @@ def _make_older_layout(db: Path, layout: str) -> None:
     for key_table in ("request_keys", "labels", *(["proc_keys"] if layout == "plain" else [])):
         con.execute(f"DROP TABLE {store}.{key_table}")
     con.close()
+
+
+def test_a_database_laid_out_already_is_not_laid_out_again(tmp_path, monkeypatch):
+    """create_tables does nothing on a database this code laid out (it checked and remade ~70 tables and
+    views before every session); a table or view dropped since, or a layout from other code, is made
+    again."""
+    synth.generate(tmp_path / "a", 5_000, seed=3)
+    db = tmp_path / "l.duckdb"
+    ingest([tmp_path / "a"], db)
+
+    class Statements:  # create_tables' connection, counting what it runs
+        def __init__(self, con):
+            self.con, self.run = con, []
+
+        def execute(self, sql, *args):
+            self.run.append(sql)
+            return self.con.execute(sql, *args)
+
+    with duckdb.connect(str(db)) as con:
+        watched = Statements(con)
+        duckdb_load.create_tables(watched)
+        assert not [s for s in watched.run if not s.lstrip().upper().startswith("SELECT")]
+        con.execute("DROP VIEW block_events")
+        duckdb_load.create_tables(watched)
+        assert con.execute("SELECT count(*) FROM block_events").fetchone()[0] > 0
+        monkeypatch.setattr(duckdb_load, "_layout_digest", lambda: "other code")
+        watched.run.clear()
+        duckdb_load.create_tables(watched)
+        assert any(s.startswith("CREATE TABLE IF NOT EXISTS") for s in watched.run)
+    monkeypatch.undo()
+    digests = table_digests(db)
+    ingest([tmp_path / "a"], db)  # a re-ingest through the quick way stores the same rows
+    assert table_digests(db) == digests
 
 
 def block_event_order(db: Path, where: str = "") -> list[tuple]:
