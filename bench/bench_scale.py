@@ -10,8 +10,11 @@ On the largest database, every canned query (`kvtrace.queries.all_queries()`)
 runs with its default parameters, each with a time limit. This machine is shared: the load average and
 the ingest's CPU seconds are printed beside the wall times, so runs on a busy machine can be told apart.
 
+Then `--many` sessions (20 of 50 K events) in one `ingest()` call, as a team's sessions go into one
+database: the call's wall time and rate, beside the sum of the sessions' own seconds.
+
     python bench/bench_scale.py [--sizes 1000000,10000000] [--dir /tmp/kvtrace-bench-scale] [--repeat 3]
-                                [--query-timeout 60] [--json out.json] [--keep]
+                                [--many 20x50000] [--query-timeout 60] [--json out.json] [--keep]
 """
 
 from __future__ import annotations
@@ -76,6 +79,24 @@ print(json.dumps({"events": rows, "wall_s": t2 - t1, "events_per_s": rows / (t2 
                   "with_read_s": t2 - t0, "with_read_events_per_s": rows / (t2 - t0)}))
 """
 
+# Many small sessions in one ingest() call (a team's sessions into one database): the call's wall time,
+# the database opened, every session stored and checkpointed; and each session's own reported seconds.
+MANY_CHILD = r"""
+import json, os, resource, sys, time
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+from kvtrace.ingest import ingest
+from kvtrace.ingest.duckdb_load import settle_pyarrow_without_pandas
+settle_pyarrow_without_pandas()
+t0 = time.perf_counter()
+reports = ingest(sys.argv[2:], sys.argv[1])
+wall = time.perf_counter() - t0
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"sessions": len(reports), "events": sum(r["events"] for r in reports), "wall_s": wall,
+                  "sessions_s": sum(r["seconds"] for r in reports), "cpu_s": ru.ru_utime + ru.ru_stime,
+                  "maxrss_bytes": ru.ru_maxrss * 1024, "db_bytes": os.path.getsize(sys.argv[1])}))
+"""
+
 EXPORT_CHILD = r"""
 import json, resource, sys, time
 from kvtrace.dataset import export_parquet
@@ -133,6 +154,27 @@ def run_size(events: int, root: Path, seed: int, repeat: int) -> dict:
             "db": str(db)}
 
 
+def run_many(count: int, events: int, root: Path, seed: int, repeat: int) -> dict:
+    """`count` sessions of `events` events each, ingested in one call, `repeat` times; the median run."""
+    from kvtrace import synth
+
+    sessions = []
+    for i in range(count):
+        d = root / f"many-{i:03d}"
+        shutil.rmtree(d, ignore_errors=True)
+        sessions.append(str(synth.generate(d, events, seed=seed + 1000 + i)["dir"]))
+    db = root / "many.duckdb"
+    runs = []
+    for _ in range(repeat):
+        for p in (db, db.with_name(db.name + ".wal")):
+            p.unlink(missing_ok=True)
+        r = child(MANY_CHILD, str(db), *sessions)
+        runs.append({**r, "events_per_s": r["events"] / r["wall_s"]})
+    for d in sessions:
+        shutil.rmtree(d, ignore_errors=True)
+    return {"count": count, "events_each": events, **median_run(runs), "runs": runs}
+
+
 def time_queries(db: Path, timeout: float) -> list[dict]:
     """Every canned query with default parameters, each stopped after `timeout` seconds."""
     from kvtrace.errors import KvtraceError
@@ -168,6 +210,8 @@ def main() -> None:
     ap.add_argument("--query-timeout", type=float, default=60.0, help="seconds per canned query")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--repeat", type=int, default=3, help="ingests (and bare stores) per size; medians are shown")
+    ap.add_argument("--many", default="20x50000",
+                    help="COUNTxEVENTS: that many sessions in one ingest() call ('0x0': skip)")
     ap.add_argument("--keep", action="store_true", help="keep the sessions, databases and datasets")
     args = ap.parse_args()
     root = Path(args.dir)
@@ -200,6 +244,15 @@ def main() -> None:
           "the shards before it: what this machine's DuckDB does today with the shards' cells as they are.")
     for r in results:
         print(f"  {r['events']:,} events: ingest at {r['ingest_over_bare']:.0%} of that (median of the runs' ratios)")
+    many = None
+    count, each = (int(float(x)) for x in args.many.lower().split("x"))
+    if count > 0 and each > 0:
+        many = run_many(count, each, root, args.seed, max(1, args.repeat))
+        rates = [x["events_per_s"] for x in many["runs"]]
+        print(f"\n{count} sessions of {each:,} events in one ingest() call: {many['wall_s']:.2f} s "
+              f"({many['events_per_s']:,.0f} events/s, range {min(rates) / 1e6:.2f}-{max(rates) / 1e6:.2f} M; "
+              f"the sessions' own seconds add up to {many['sessions_s']:.2f} s), {many['cpu_s']:.1f} CPU-s, "
+              f"peak RSS {mb(many['maxrss_bytes'])}, DuckDB {mb(many['db_bytes'])} (median of {len(rates)})")
     largest = results[-1]
     print(f"\ncanned queries on the {largest['events']:,}-event database (default parameters, "
           f"limit {args.query_timeout:.0f} s each):")
@@ -210,7 +263,8 @@ def main() -> None:
     total = time.perf_counter() - t_all
     print(f"\ntotal {total:.0f} s; load average now {os.getloadavg()[0]:.1f} (2 cores)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"sizes": results, "queries": queries, "total_s": total}, indent=1))
+        Path(args.json).write_text(json.dumps({"sizes": results, "many": many, "queries": queries, "total_s": total},
+                                              indent=1))
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
 
