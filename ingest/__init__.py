@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,11 @@ from kvtrace.ingest.duckdb_load import create_tables, ingest_session, open_db, w
 
 
 def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Path] | None = None,
-           progress: bool = False, job_pattern: str | None = None) -> list[dict[str, Any]]:
-    """Load session directories (and Nsight SQLite exports) into the DuckDB file at `db_path`.
+           progress: bool = False, job_pattern: str | None = None,
+           on_report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Load session directories (and Nsight SQLite exports) into the DuckDB file at `db_path`; returns
+    a report per session and export, each also given to `on_report` as soon as it is made (so that a
+    long list of sessions shows its progress).
 
     Each session's rows replace any earlier ingest of the same session. An export given with one
     session is aligned to that session's clock; given alone it is loaded unaligned. The last session's
@@ -26,8 +30,16 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
     try:
         if not sessions:  # ingest_session makes them otherwise (once is enough: ~0.1 s even when they exist)
             create_tables(con)
-        reports = [ingest_session(con, s, progress=progress, job_pattern=job_pattern,
-                                  checkpoint=i == len(sessions) - 1) for i, s in enumerate(sessions)]
+        reports = []
+
+        def done(report: dict[str, Any]) -> None:
+            reports.append(report)
+            if on_report is not None:
+                on_report(report)
+
+        for i, s in enumerate(sessions):
+            done(ingest_session(con, s, progress=progress, job_pattern=job_pattern,
+                                checkpoint=i == len(sessions) - 1))
         for path in nsys or []:
             from kvtrace.ingest import nsys as nsys_mod
 
@@ -35,7 +47,7 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
             stats = nsys_mod.load_nsys(con, path, session=session)
             if session is not None:
                 stats["alignment"] = nsys_mod.align_nsys(con, session)
-            reports.append({"nsys": str(path), **stats})
+            done({"nsys": str(path), **stats})
         con.execute("CHECKPOINT")
         return reports
     finally:

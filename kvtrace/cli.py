@@ -131,20 +131,23 @@ def ingest(sessions, db, nsys, job_pattern, progress) -> None:
     if not sessions and not nsys:
         raise KvtraceError("nothing to ingest: give a session directory and/or --nsys FILE")
     show = sys.stderr.isatty() if progress is None else progress
-    t0 = time.monotonic()
-    reports = do_ingest(list(sessions), db, nsys=list(nsys), progress=show, job_pattern=job_pattern)
-    seconds = time.monotonic() - t0
-    for report in reports:
+
+    def show_report(report: dict) -> None:  # each as it is made: a long list of sessions shows its progress
         if "nsys" in report:
             click.echo(f"nsys {report['nsys']}: " + ", ".join(
                 f"{k} {v}" for k, v in report.items() if k not in ("nsys",) and not isinstance(v, dict)))
-            continue
+            return
         click.echo(f"session {report['session']} ({report['status']}): {report['events']:,} events in "
                    f"{report['seconds']:.2f} s ({report['events_per_s']:,.0f}/s) -> {db}")
         for problem in report["issues"]:
             click.echo(f"  incomplete: {problem}")
         for line in report["probes"]:
             click.echo(f"  probe {line}")
+
+    t0 = time.monotonic()
+    reports = do_ingest(list(sessions), db, nsys=list(nsys), progress=show, job_pattern=job_pattern,
+                        on_report=show_report)
+    seconds = time.monotonic() - t0
     if len(sessions) > 1:  # the sessions' own seconds leave out the database's opening and last checkpoint
         events = sum(r.get("events", 0) for r in reports if "nsys" not in r)
         click.echo(f"{len(sessions)} sessions: {events:,} events in {seconds:.2f} s "

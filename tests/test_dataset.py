@@ -160,6 +160,16 @@ def test_cli_ingests_many_sessions_with_one_checkpoint(twenty, tmp_path):
                  if line.startswith("session "))
     assert f"3 sessions: {events:,} events in " in lines[-1]
     assert not Path(f"{db}.wal").exists()
+    # A session that cannot be read: the ones before it are stored and said so, then the one-line error.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text("{")
+    proc = subprocess.run([sys.executable, "-m", "kvtrace", "ingest", str(three[0]), str(bad), "-o",
+                           str(tmp_path / "mixed.duckdb")], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 1 and proc.stdout.startswith("session ") and len(proc.stdout.splitlines()) == 1
+    assert proc.stderr.strip().startswith("kvtrace: error: ") and "manifest.json" in proc.stderr
+    with duckdb.connect(str(tmp_path / "mixed.duckdb"), read_only=True) as mixed:
+        assert mixed.execute("SELECT count(*) FROM sessions").fetchone() == (1,)
     con = duckdb.connect(str(db), read_only=True)
     try:
         rows = {r[0]: r for r in rows_of(con, "summary")[1]}
