@@ -679,7 +679,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
         finally:
             inserter.close(cancel=True)  # the connection is this thread's again (for the rest, or ROLLBACK)
         status = "incomplete" if incomplete else "complete"
-        _insert_session(con, sid, session_dir, manifest, procs, status, job_pattern)
+        _insert_session(con, sid, session_dir, manifest, [proc for _, proc, _ in shards_by_proc], status, job_pattern)
         for path, problem, cut in issues:
             con.execute("INSERT INTO ingest_issues VALUES (?, ?, ?, ?)", [sid, path, problem, cut])
         con.execute("COMMIT")
@@ -1216,10 +1216,11 @@ def _insert_proc(con: duckdb.DuckDBPyConnection, sid: str, proc: dict) -> None:
 
 
 def _insert_session(con, sid, session_dir, manifest, procs, status, job_pattern) -> None:
-    """The session's row; `job_pattern` as ingest_session resolved it (the user's, else the manifest's)."""
+    """The session's row; `procs` are the processes' proc.json as read already, `job_pattern` as
+    ingest_session resolved it (the user's, else the manifest's)."""
     engine: dict[str, Any] = {}
     for p in procs:
-        cfg = read_proc(p).get("engine_config") or {}
+        cfg = p.get("engine_config") or {}
         if cfg:
             engine = cfg
             break
