@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.ingest.duckdb_load import create_tables, ingest_session, open_db, warm_up_pyarrow
+from kvtrace.session import read_manifest
 
 
 def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Path] | None = None,
@@ -25,6 +26,8 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
     COMMIT writes every session of the call into the file (`ingest_session`'s `checkpoint`), so its
     report's seconds carry the writing of the sessions before it.
     """
+    for session in sessions:  # all checked before anything is stored: a stray directory in runs/* fails at once
+        read_manifest(session)
     warm_up_pyarrow()
     con = open_db(db_path)
     try:
