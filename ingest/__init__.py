@@ -31,7 +31,7 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
     warm_up_pyarrow()
     con = open_db(db_path)
     try:
-        if not sessions:  # ingest_session makes them otherwise (once is enough: ~0.1 s even when they exist)
+        if not sessions:  # ingest_session makes them otherwise
             create_tables(con)
         reports = []
 
