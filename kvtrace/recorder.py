@@ -1,10 +1,12 @@
 """The in-process recorder: columnar-ish buffers on the hot path, a background writer for the files.
 
 Runs in every vLLM process that a probe fires in (front end, EngineCore, workers). The hot path is a
-single `list.append(tuple)` on a buffer a probe holds a reference to: no lock, no I/O, no per-event
-allocation beyond the row itself. A daemon thread wakes every `flush_interval_s` (default 0.5 s), takes
-the rows appended so far, turns them into Arrow RecordBatches and appends them to the process's shard
-files (Arrow IPC streams, one file per table, rotated by size and age). A stream stays readable up to its
+single `append(tuple)` on a buffer a probe holds a reference to: no lock, no I/O. The buffer is a
+native `RowLog` (probes/columns.py) that stores the row's values in typed columns at once, so no tuple
+outlives its append (nothing for the garbage collector to walk, nothing to convert later); where the
+native module is not built it is a list of the tuples. A daemon thread wakes every `flush_interval_s`
+(default 0.5 s), takes the rows appended so far as Arrow RecordBatches and appends them to the
+process's shard files (Arrow IPC streams, one file per table, rotated by size and age). A stream stays readable up to its
 last complete batch if the process is killed, because every batch goes out in one `write()`.
 
 Nothing is lost silently: rows that cannot be written (disk full, read-only directory, size cap, a
@@ -28,6 +30,7 @@ from typing import Any
 import pyarrow as pa
 
 from kvtrace import schema
+from kvtrace.probes.columns import row_log
 from kvtrace.session import PROC_FILE, session_size_bytes, write_json_atomic
 
 OPEN_SUFFIX = ".partial"  # a shard still being written; renamed to `.arrows` when closed
@@ -90,14 +93,14 @@ class ShardWriter:
             raise OSError(f"{self._path}: shard left incomplete by an earlier write error")
         payload = _batch_message(batch)
         self._write_all(payload)  # whole batches only: a kill leaves whole batches or a detectable tail
-        self._bytes += len(payload)
-        self.bytes_total += len(payload)
+        self._bytes += payload.size
+        self.bytes_total += payload.size
         self._rows += batch.num_rows
         if self._bytes >= self.rotate_bytes or time.monotonic() - self._opened_at >= self.rotate_s:
             self.close()
-        return len(payload)
+        return payload.size
 
-    def _write_all(self, data: bytes) -> None:
+    def _write_all(self, data: bytes | pa.Buffer) -> None:
         """Write all of `data` or nothing: on an error (disk full) cut the file back to where it was."""
         view = memoryview(data)
         try:
@@ -132,9 +135,10 @@ class ShardWriter:
         self._file = None
 
 
-def _batch_message(batch: pa.RecordBatch) -> bytes:
-    """The IPC bytes of one record batch as it stands in a stream (encapsulated message)."""
-    return batch.serialize().to_pybytes()
+def _batch_message(batch: pa.RecordBatch) -> pa.Buffer:
+    """The IPC bytes of one record batch as it stands in a stream (encapsulated message), in Arrow's
+    own buffer: written from there, not copied into a Python bytes first."""
+    return batch.serialize()
 
 
 class Recorder:
@@ -163,7 +167,11 @@ class Recorder:
             # a starved writer finds more than the whole cap waiting.
             self.batch_rows = 1024
         self.options = options
+        # Batches handed over whole (append_columns), and row tuples where there is no RowLog.
         self.buffers: dict[str, list] = {t: [] for t in schema.TABLES}
+        # Row tuples, kept as columns (None where the native logs are not built). Not for `drops`:
+        # the recorder's own record of losses, held back as tuples once writing has stopped.
+        self.row_logs = {t: row_log(t, self.max_pending_rows) for t in schema.TABLES if t != "drops"}
         self._start()
         atexit.register(self.close)
         if hasattr(os, "register_at_fork"):
@@ -227,6 +235,9 @@ class Recorder:
         rows, files or writer thread."""
         for buf in self.buffers.values():
             del buf[:]
+        for log in self.row_logs.values():
+            if log is not None:
+                log.clear()
         if self._closed:  # the parent had finished recording: the child does not start again
             return
         probes = dict(self.info.get("probes", {}))
@@ -234,9 +245,22 @@ class Recorder:
         self.info["probes"] = probes
 
     # ---- hot path -------------------------------------------------------------------------
-    def buffer(self, table: str) -> list:
-        """The list probes append row tuples to (column order = kvtrace.schema.TABLES[table])."""
-        return self.buffers[table]
+    def buffer(self, table: str) -> Any:
+        """What probes append row tuples to (`.append(row)`, column order = kvtrace.schema.TABLES[table]):
+        the table's RowLog, or a list."""
+        log = self.row_logs.get(table)
+        return log if log is not None else self.buffers[table]
+
+    def take_rows(self, table: str) -> list[tuple]:
+        """The rows of `table` appended so far, as tuples, taken as the writer would take them (they will
+        not be written): for tests and tools that look at what probes append."""
+        out: list[tuple] = []
+        for r in self._take(table):
+            if isinstance(r, pa.RecordBatch):
+                out.extend(zip(*(col.to_pylist() for col in r.columns)))
+            else:
+                out.append(r)
+        return out
 
     def append_columns(self, table: str, cols: dict[str, Any]) -> None:
         """Append rows given as whole columns (NumPy arrays, one per schema column): the bulk path for
@@ -277,9 +301,20 @@ class Recorder:
             self._flush_locked()
 
     def _take(self, table: str) -> list:
+        """The rows appended so far: the RowLog's as one batch first, then the list's batches and tuples."""
+        rows = []
+        log = self.row_logs.get(table)
+        if log is not None:
+            batch, bad, over = log.take()  # under the GIL: whole rows only
+            if batch is not None:
+                rows.append(batch)
+            if bad:  # a probe produced a row that does not fit the schema: a kvtrace bug, never vLLM's
+                self.warn(f"dropped {bad} {table} rows that do not fit the schema")
+                self.count_drop(table, bad, "bad-row")
+            self.count_drop(table, over, "buffer-cap")
         buf = self.buffers[table]
         n = len(buf)
-        rows = buf[:n]
+        rows += buf[:n]
         del buf[:n]  # appends racing with us land after index n and stay for the next flush
         return rows
 
@@ -296,7 +331,7 @@ class Recorder:
                 continue
             if len(rows) > self.max_pending_rows:  # the writer fell far behind: keep the newest
                 self.count_drop(table, len(rows) - self.max_pending_rows, "buffer-cap")
-                rows = rows[-self.max_pending_rows:]
+                rows = rows[-self.max_pending_rows:]  # (a RowLog stops at max_pending_rows itself)
             try:
                 for batch in _batches(table, rows, self.batch_rows):
                     self.writers[table].write(batch)

@@ -8,10 +8,10 @@ first tokens), `add_request` (arrival), `_preempt_request`, `_free_request` (fin
 `KVCacheManager.allocate_slots` (why admission stopped).
 
 Cost: a step schedules up to max_num_seqs requests, so nothing here may do Python work per running
-request beyond its `step_requests` row. Decode rows (the common case) are not tuples: their values are
-appended as columns (list.extend over the SchedulerOutput's own lists, no object per row) and handed
-to the recorder as one RecordBatch every ~0.25 s (`DecodeColumns`), which spares the row tuples, the
-garbage collections they trigger and the writer's transposition. Only requests in a prefill (new,
+request beyond its `step_requests` row. Decode rows (the common case) are not tuples: one call per step
+hands the SchedulerOutput's own lists to a `DecodeLog` (probes/columns.py, native in `_columns.c` where
+it builds), which keeps them as columns and hands them to the recorder as one RecordBatch every ~0.25 s:
+no object per row, no garbage collections they would trigger, no transposition by the writer. Only requests in a prefill (new,
 resumed, or whose prompt is still being chunked: `prefill_chunks`) take the per-request path. `update_from_output` looks only at
 the requests whose prefill completed in that step (first tokens), never at every output. And
 `allocate_slots`, called once per running request per step, is not wrapped at class level (a wrapper
@@ -26,13 +26,10 @@ instance's `__dict__` materialises it and slows every attribute access on the ob
 from __future__ import annotations
 
 import time
-from itertools import chain, compress
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-
 from kvtrace.probes.base import Probe
+from kvtrace.probes.columns import decode_log, positions
 from kvtrace.probes.context import ctx
 
 _now = time.monotonic_ns
@@ -43,57 +40,6 @@ try:  # optional: NVTX ranges so an Nsight capture of the same run lines up with
     from kvtrace.probes import nvtx_ranges as _nvtx
 except Exception:  # pragma: no cover - the module is optional
     _nvtx = None
-
-
-class DecodeColumns:
-    """`step_requests` rows of decoding requests (phase decode, chunk -1, kind running), kept as one
-    segment per step until `take()` hands them to the recorder as a single RecordBatch.
-
-    A segment is (step, request ids, computed tokens, tokens or None, new blocks or None): copies of the
-    SchedulerOutput's own lists, None standing for the usual values (1 token, 0 new blocks), new blocks
-    as (positions, counts) of the few rows that have any, so a step costs two list copies on the
-    scheduler thread and Arrow conversions come in bulk. Segments are whole
-    tuples and `take()` swaps the list first: a take from another thread (the recorder's flush on
-    SIGUSR2) never sees a half-written row.
-    """
-
-    __slots__ = ("segs", "rows", "since_ns")
-    FLUSH_ROWS = 16384
-    FLUSH_NS = 250_000_000  # hand the rows to the recorder at least this often (monotonic ns)
-
-    def __init__(self) -> None:
-        self.segs: list[tuple] = []
-        self.rows = 0
-        self.since_ns = _now()
-
-    def take(self, rec: Any) -> None:
-        segs, self.segs = self.segs, []
-        self.rows, self.since_ns = 0, _now()
-        if not segs:
-            return
-        lens = [len(seg[1]) for seg in segs]
-        n = sum(lens)
-
-        def column(i: int, usual: int) -> Any:
-            if all(seg[i] is None for seg in segs):
-                return np.full(n, usual, dtype=np.int32)
-            return np.concatenate([np.full(k, usual, dtype=np.int32) if seg[i] is None
-                                   else np.asarray(seg[i], dtype=np.int32) for seg, k in zip(segs, lens)])
-
-        new_blocks = np.zeros(n, dtype=np.int32)
-        start = 0
-        for seg, k in zip(segs, lens):
-            if seg[4] is not None:
-                positions, counts = seg[4]
-                new_blocks[np.asarray(positions, dtype=np.int64) + start] = counts
-            start += k
-        rec.append_columns("step_requests", {
-            "step": np.repeat(np.array([seg[0] for seg in segs], dtype=np.int64), lens),
-            "request_id": list(chain.from_iterable(seg[1] for seg in segs)),
-            "tokens": column(3, 1), "phase": pa.repeat("decode", n),
-            "chunk_index": np.full(n, -1, dtype=np.int32),
-            "computed_before": np.fromiter(chain.from_iterable(seg[2] for seg in segs), np.int32, n),
-            "new_blocks": new_blocks, "kind": pa.repeat("running", n)})
 
 
 class SchedulerProbe(Probe):
@@ -123,7 +69,7 @@ class SchedulerProbe(Probe):
         self.token_rows = self.rec.buffer("request_tokens")
         self.record_tokens = bool(self.options.get("record_tokens"))
         self.pending_steps: dict[int, list] = {}  # step -> row awaiting update_from_output
-        self.decode_cols = DecodeColumns()
+        self.decode_log = decode_log()
         self.awaiting_first_token: set[str] = set()
         # Requests whose prefill is not complete yet -> index of their next prefill chunk. A request
         # leaves when a chunk reaches its num_tokens, is preempted (its recompute starts at 0) or ends.
@@ -378,16 +324,12 @@ class SchedulerProbe(Probe):
                 if mid:
                     slow = set(resumed_ids).union(mid)
             comps, new_ids = cached.num_computed_tokens, cached.new_block_ids
+            at: list[int] = []
             if slow:
-                # Few rows are prefills: find them with C-level index scans (a Python loop over every
-                # running request cost ~70 us a step), then copy the rest as decode rows.
-                at = []
-                for rid in slow:
-                    try:
-                        at.append(ids.index(rid))
-                    except ValueError:  # a new request still chunking: not a cached one
-                        pass
-                at.sort()
+                # Few rows are prefills: find their positions without a Python loop over every
+                # running request (~70 us a step); every other row decodes. A new request still
+                # chunking is not among the cached ones.
+                at = positions(ids, slow)
                 for i in at:
                     rid = ids[i]
                     req = requests.get(rid)
@@ -404,26 +346,13 @@ class SchedulerProbe(Probe):
                                  "resumed" if resumed else "running"))
                     prefill_tokens += tokens
                     prefill_reqs += 1
-                d_ids, d_comps, d_new = list(ids), list(comps), list(new_ids)
-                for i in reversed(at):
-                    del d_ids[i], d_comps[i], d_new[i]
-            else:
-                d_ids, d_comps, d_new = list(ids), list(comps), new_ids
-            if d_ids:
+            decoding = len(ids) - len(at)
+            if decoding:
                 # Every scheduled request has >= 1 token (prefill_tokens counts all the others): the
                 # decode rows' total says whether each has exactly 1, the usual case.
-                ones = out.total_num_scheduled_tokens - prefill_tokens == len(d_ids)
-                tokens_col = None if ones else list(map(num_sched.__getitem__, d_ids))
-                blocks_col = None
-                if d_new.count(None) != len(d_new):
-                    # Sparse: the few rows with new blocks this step (positions found by a C-level scan).
-                    nz = list(compress(range(len(d_new)), d_new))
-                    blocks_col = (nz, [len(d_new[i][0]) for i in nz])
-                dec = self.decode_cols
-                dec.segs.append((step, d_ids, d_comps, tokens_col, blocks_col))
-                dec.rows += len(d_ids)
-                if dec.rows >= dec.FLUSH_ROWS or t1 - dec.since_ns >= dec.FLUSH_NS:
-                    dec.take(self.rec)
+                ones = out.total_num_scheduled_tokens - prefill_tokens == decoding
+                if self.decode_log.add(step, ids, comps, new_ids, at or None, None if ones else num_sched):
+                    self.take()
         total = out.total_num_scheduled_tokens
         decode_reqs = len(num_sched) - prefill_reqs
         pool = sched.kv_cache_manager.block_pool
@@ -561,8 +490,10 @@ class SchedulerProbe(Probe):
         }
 
     def take(self) -> None:
-        """Hand the decode rows held as columns to the recorder (called when the engine goes idle)."""
-        self.decode_cols.take(self.rec)
+        """Hand the decode rows held as columns to the recorder (also called when the engine goes idle)."""
+        cols = self.decode_log.take()
+        if cols is not None:
+            self.rec.append_columns("step_requests", cols)
 
     def close(self) -> None:
         """Steps whose update_from_output never came (engine stopped) are kept, with no end time."""
@@ -570,7 +501,7 @@ class SchedulerProbe(Probe):
             self.steps.append(tuple(row))
         self.pending_steps.clear()
         self.first_token_due.clear()
-        self.decode_cols.take(self.rec)
+        self.take()
 
 
 _REASON_NAMES: dict = {}  # vLLM FinishReason -> our name ("stop", "length", ...), made once per reason

@@ -221,7 +221,8 @@ def test_worker_rows_per_request_and_layer(worker_probe):
     conn.save_kv_layer("l1", None, ns(num_actual_tokens=10))
     conn.start_load_kv(None)
     assert conn.get_finished({"r1"}) == ({"r1"}, None)
-    rows = [r[2:] for r in rec.buffer("transfers")]
+    taken = rec.take_rows("transfers")
+    rows = [r[2:] for r in taken]
     assert rows == [
         (5, "FakeConnector", "save_kv_layer", "save", "r1", "l0", 64 * 1024, 64),
         (5, "FakeConnector", "start_load_kv", "load", "r2", "l0", 32 * 1024, 32),
@@ -230,7 +231,7 @@ def test_worker_rows_per_request_and_layer(worker_probe):
         (5, "FakeConnector", "start_load_kv", "load", None, None, None, None),
         (5, "FakeConnector", "get_finished", "save", "r1", None, None, None),
     ]
-    assert all(r[0] <= r[1] for r in rec.buffer("transfers"))
+    assert all(r[0] <= r[1] for r in taken)
     probe.uninstall()  # the instance's own methods show through again
     assert "save_kv_layer" not in vars(conn)
 
@@ -242,4 +243,4 @@ def test_a_fault_in_the_probe_never_reaches_the_connector(worker_probe):
     assert not probe.enabled and probe.faults == 1
     assert rec.info["probes"]["connector"]["status"] == "failed"
     assert conn.save_kv_layer("l1", None, None) == ("saved", "l1")  # passes straight through
-    assert rec.buffer("transfers") == []
+    assert rec.take_rows("transfers") == []

@@ -146,7 +146,7 @@ def test_held_rows_reach_the_recorder_when_the_engine_goes_idle(drive):
         d.add("A", list(range(100, 216)), 3)
         d.run()
         probes = {p.name: p for p in plugin._installed}
-        held = (len(probes["kv_blocks"].cols.ts), probes["scheduler"].decode_cols.rows)
+        held = (probes["kv_blocks"].log.rows, probes["scheduler"].decode_log.rows)
         rec = probes["kv_blocks"].rec
         with rec._lock:  # the writer thread may have flushed them already: count both places
             handed = rec.rows_written["block_events"] + sum(b.num_rows for b in rec.buffers["block_events"])

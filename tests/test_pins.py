@@ -58,7 +58,7 @@ def test_adapter_appends_pins_rows(pins_module, monkeypatch, tmp_path, disabled)
         pins_module.report_unpin("job0-turn0", (b for b in [3, 4]), "ttl-pin", step=9)
         pins_module.report_expire("job1-turn0", [5], 2 * 10**9, "ttl-pin")
         pins_module.report_pin("bad", ["not a block"], None)  # swallowed: never raises into vLLM
-        rows = [r[1:] for r in rec.buffer("pins")]
+        rows = [r[1:] for r in rec.take_rows("pins")]
         if disabled:
             assert rows == []
             return
@@ -68,7 +68,8 @@ def test_adapter_appends_pins_rows(pins_module, monkeypatch, tmp_path, disabled)
             (9, "unpin", "job0-turn0", [3, 4], None, "ttl-pin"),
             (7, "expire", "job1-turn0", [5], 2 * 10**9, "ttl-pin"),
         ]
-        assert rows_to_batch("pins", rec.buffer("pins")).num_rows == 4  # the rows fit the schema
+        assert rows_to_batch("pins", [(0, *r) for r in rows]).num_rows == 4  # the rows fit the schema
+        assert rec.dropped == {}
     finally:
         rec.close()
 

@@ -1,0 +1,1256 @@
+/* kvtrace.probes._columns: the host probes' hot path in C.
+
+   The native twin of probes/columns.py (read that first: it is the reference, with the same classes,
+   methods and rows). Used where this extension builds and imports; the probes fall back to the Python
+   classes otherwise, and tests/test_columns.py checks that both give the same rows.
+
+   Why it exists: per block-pool call, the Python path spends ~1-3 us naming the request from the
+   caller's frame (f_locals builds a dict of every local), appending to ten lists, and converting
+   Python objects to Arrow later. Here a call appends to growable C arrays (tens of ns), the request is
+   read from the caller's frame directly, and take() hands whole columns over as bytes, so Arrow arrays
+   are made without a Python object per row.
+
+   Thread safety: every method runs with the GIL held and never releases it, so a take() from another
+   thread (the recorder's flush on SIGUSR2) sees whole rows only. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* Reading a caller's argument without f_locals (which builds a dict of all its locals: ~0.5-2 us).
+   3.11 has no public API for it: its interpreter frames are read through CPython's internal header, as
+   Cython does. 3.12+ has PyFrame_GetVar. Older versions call the Python implementation. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#define KVT_FRAMES_311 1
+#define Py_BUILD_CORE 1
+#include "internal/pycore_frame.h"
+#undef Py_BUILD_CORE
+#elif PY_VERSION_HEX >= 0x030C0000
+#define KVT_FRAMES_PUBLIC 1
+#endif
+#ifndef CO_FAST_CELL
+#define CO_FAST_CELL 0x40 /* pycore_code.h: a local that is also a cell */
+#endif
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t); /* the clock of time.monotonic_ns() */
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* ---- growable byte buffers ------------------------------------------------------------------- */
+
+/* Bytes held in a bytearray, so that take() hands the bytes to Arrow without a copy (a bytearray
+   exports its buffer; pa.py_buffer wraps it). `p` and `cap` mirror the bytearray's storage. */
+typedef struct {
+    PyObject *ba;
+    char *p;
+    Py_ssize_t n, cap;
+} Buf;
+
+static int buf_grow(Buf *b, Py_ssize_t extra) {
+    Py_ssize_t cap = b->cap ? b->cap : 256;
+    while (cap < b->n + extra)
+        cap *= 2;
+    if (b->ba == NULL) {
+        if ((b->ba = PyByteArray_FromStringAndSize(NULL, cap)) == NULL)
+            return -1;
+    } else if (PyByteArray_Resize(b->ba, cap) < 0) {
+        return -1;
+    }
+    b->p = PyByteArray_AS_STRING(b->ba);
+    b->cap = cap;
+    return 0;
+}
+
+static inline int buf_reserve(Buf *b, Py_ssize_t extra) {
+    return b->n + extra <= b->cap ? 0 : buf_grow(b, extra);
+}
+
+/* Stores of fixed size: callers reserve room first (constant sizes let the compiler use plain moves). */
+#define STORE(b, T, v)                                                                                         \
+    do {                                                                                                       \
+        T _v = (T)(v);                                                                                         \
+        memcpy((b)->p + (b)->n, &_v, sizeof(T));                                                               \
+        (b)->n += sizeof(T);                                                                                   \
+    } while (0)
+
+static inline int buf_put(Buf *b, const void *src, Py_ssize_t k) {
+    if (buf_reserve(b, k) < 0)
+        return -1;
+    memcpy(b->p + b->n, src, k);
+    b->n += k;
+    return 0;
+}
+
+static inline int put_i64(Buf *b, int64_t v) {
+    if (buf_reserve(b, 8) < 0)
+        return -1;
+    STORE(b, int64_t, v);
+    return 0;
+}
+
+static inline int put_i32(Buf *b, int32_t v) {
+    if (buf_reserve(b, 4) < 0)
+        return -1;
+    STORE(b, int32_t, v);
+    return 0;
+}
+
+static void buf_free(Buf *b) {
+    Py_CLEAR(b->ba);
+    b->p = NULL;
+    b->n = b->cap = 0;
+}
+
+/* The bytes so far (a bytearray cut to their length, no copy), and an empty buffer. */
+static PyObject *buf_take(Buf *b) {
+    PyObject *out = b->ba;
+    if (out == NULL)
+        return PyByteArray_FromStringAndSize(NULL, 0);
+    b->ba = NULL;
+    if (PyByteArray_Resize(out, b->n) < 0) { /* shrinking within the allocation: no copy */
+        Py_DECREF(out);
+        out = NULL;
+    }
+    buf_free(b);
+    return out;
+}
+
+/* Bit `row` of an Arrow validity bitmap (LSB first); a new byte every 8 rows (reserve 1 byte first). */
+static inline void bitmap_set(Buf *bits, Py_ssize_t row, int valid) {
+    if ((row & 7) == 0)
+        STORE(bits, char, 0);
+    if (valid)
+        bits->p[row >> 3] |= (char)(1 << (row & 7));
+}
+
+/* A nullable string column as Arrow lays it out: int32 offsets (a leading 0, then each row's end),
+   UTF-8 bytes, validity bits. */
+typedef struct {
+    Buf ends, data, valid;
+} StrCol;
+
+/* The UTF-8 text of a row's value (NULL text for None): a pointer into the str for ASCII text. */
+static int str_text(PyObject *s, const char **u, Py_ssize_t *k) {
+    *u = NULL;
+    *k = 0;
+    if (s == NULL || s == Py_None)
+        return 0;
+    if (PyUnicode_Check(s) && PyUnicode_IS_COMPACT_ASCII(s)) { /* the usual request id: its own bytes */
+        *u = (const char *)PyUnicode_DATA(s);
+        *k = PyUnicode_GET_LENGTH(s);
+        return 0;
+    }
+    *u = PyUnicode_AsUTF8AndSize(s, k);
+    return *u == NULL ? -1 : 0;
+}
+
+/* Room for one more row of `k` bytes, so that str_write cannot fail. */
+static inline int str_reserve(StrCol *c, Py_ssize_t k) {
+    return buf_reserve(&c->ends, 8) < 0 || buf_reserve(&c->data, k) < 0 || buf_reserve(&c->valid, 1) < 0 ? -1 : 0;
+}
+
+static void str_write(StrCol *c, Py_ssize_t row, const char *u, Py_ssize_t k) {
+    if (c->ends.n == 0)
+        STORE(&c->ends, int32_t, 0);
+    if (u != NULL) {
+        memcpy(c->data.p + c->data.n, u, k);
+        c->data.n += k;
+    }
+    bitmap_set(&c->valid, row, u != NULL);
+    STORE(&c->ends, int32_t, c->data.n);
+}
+
+static void str_free(StrCol *c) {
+    buf_free(&c->ends);
+    buf_free(&c->data);
+    buf_free(&c->valid);
+}
+
+/* Cut the column back to its first `rows` rows. */
+static void str_truncate(StrCol *c, Py_ssize_t rows) {
+    if (rows == 0) {
+        c->ends.n = c->data.n = c->valid.n = 0;
+        return;
+    }
+    c->ends.n = (rows + 1) * 4;
+    c->data.n = ((int32_t *)c->ends.p)[rows];
+    c->valid.n = (rows + 7) / 8;
+    if (rows & 7)
+        c->valid.p[rows >> 3] &= (char)((1 << (rows & 7)) - 1);
+}
+
+/* (offsets, data, validity bitmap) as bytes, and an empty column. */
+static PyObject *str_take(StrCol *c) {
+    PyObject *out = Py_BuildValue("(NNN)", buf_take(&c->ends), buf_take(&c->data), buf_take(&c->valid));
+    str_free(c);
+    return out;
+}
+
+/* ---- naming the request from the caller's frame -------------------------------------------- */
+
+static PyObject *s_request_id, *s_request, *s_step, *s_block_id, *s_block_hash, *s_null_block;
+
+/* Which argument of a code object names the request: the index of `request_id`, else of `request`,
+   among its arguments (never other locals: see caller_request_id in columns.py). A small table keyed
+   by the code object's address, holding a reference so the address cannot be reused. */
+#if defined(KVT_FRAMES_311) || defined(KVT_FRAMES_PUBLIC)
+#define ARG_CACHE 64
+typedef struct {
+    PyObject *code;
+    int index;  /* -1: no such argument */
+    int is_request; /* the argument is a Request (read .request_id), not the id itself */
+    int is_cell;
+} ArgEntry;
+static ArgEntry arg_cache[ARG_CACHE];
+
+static ArgEntry *arg_entry(PyCodeObject *code) {
+    size_t h = ((uintptr_t)code >> 4) % ARG_CACHE;
+    for (int probe = 0; probe < ARG_CACHE; probe++, h = (h + 1) % ARG_CACHE) {
+        ArgEntry *e = &arg_cache[h];
+        if (e->code == (PyObject *)code)
+            return e;
+        if (e->code != NULL)
+            continue;
+        PyObject *names = PyCode_GetVarnames(code);
+        if (names == NULL)
+            return NULL;
+        Py_ssize_t nargs = code->co_argcount + code->co_kwonlyargcount;
+        int found = -1, is_request = 0;
+        for (int want = 0; want < 2 && found < 0; want++) {
+            PyObject *name = want ? s_request : s_request_id;
+            for (Py_ssize_t i = 0; i < nargs && i < PyTuple_GET_SIZE(names); i++) {
+                int eq = PyUnicode_Compare(PyTuple_GET_ITEM(names, i), name) == 0;
+                if (eq) {
+                    found = (int)i;
+                    is_request = want;
+                    break;
+                }
+            }
+        }
+        Py_DECREF(names);
+        e->code = Py_NewRef((PyObject *)code);
+        e->index = found;
+        e->is_request = is_request;
+        e->is_cell = 0;
+#ifdef KVT_FRAMES_311
+        if (found >= 0)
+            e->is_cell = (PyBytes_AS_STRING(code->co_localspluskinds)[found] & CO_FAST_CELL) != 0;
+#endif
+        return e;
+    }
+    return NULL; /* table full: callers treat it as "no argument" (only a handful of callers exist) */
+}
+
+/* The request id (a str) named by `value`, the argument an ArgEntry points at; NULL if none. */
+static PyObject *request_id_of(ArgEntry *e, PyObject *value) {
+    if (value == NULL)
+        return NULL;
+    if (!e->is_request)
+        return PyUnicode_Check(value) ? Py_NewRef(value) : NULL;
+    PyObject *rid = PyObject_GetAttr(value, s_request_id);
+    if (rid == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (!PyUnicode_Check(rid))
+        Py_CLEAR(rid);
+    return rid;
+}
+
+#endif
+
+/* New reference to the request id argument of the nearest of `up` Python frames, starting `skip`
+   frames above the current one (skip=1 from a call made by a wrapper: the wrapper's caller); NULL
+   (no error set) when none has one. */
+static PyObject *frame_request_id(int skip, int up, PyObject *fallback_fn) {
+#if defined(KVT_FRAMES_311)
+    (void)fallback_fn;
+    _PyInterpreterFrame *f = PyThreadState_Get()->cframe->current_frame;
+    for (int i = 0; f != NULL && i < skip + up;) {
+        if (_PyFrame_IsIncomplete(f)) {
+            f = f->previous;
+            continue;
+        }
+        if (i >= skip) {
+            ArgEntry *e = arg_entry(f->f_code);
+            if (e == NULL)
+                return NULL;
+            if (e->index >= 0) {
+                PyObject *v = f->localsplus[e->index];
+                if (v != NULL && e->is_cell && PyCell_Check(v))
+                    v = PyCell_GET(v);
+                PyObject *rid = request_id_of(e, v);
+                if (rid != NULL)
+                    return rid;
+            }
+        }
+        f = f->previous;
+        i++;
+    }
+    return NULL;
+#elif defined(KVT_FRAMES_PUBLIC)
+    (void)fallback_fn;
+    PyFrameObject *f = PyThreadState_GetFrame(PyThreadState_Get());
+    PyObject *rid = NULL;
+    for (int i = 0; f != NULL && i < skip + up && rid == NULL; i++) {
+        if (i >= skip) {
+            PyCodeObject *code = PyFrame_GetCode(f);
+            ArgEntry *e = arg_entry(code);
+            Py_DECREF(code);
+            if (e == NULL) {
+                Py_DECREF(f);
+                return NULL;
+            }
+            if (e->index >= 0) {
+                PyObject *v = PyFrame_GetVar(f, e->is_request ? s_request : s_request_id);
+                if (v == NULL)
+                    PyErr_Clear();
+                rid = request_id_of(e, v);
+                Py_XDECREF(v);
+            }
+        }
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_XDECREF(f);
+    return rid;
+#else
+    /* The Python implementation: its frame 1 is the Python frame that called into this module. */
+    PyObject *rid = PyObject_CallFunction(fallback_fn, "ii", skip + 1, up);
+    if (rid == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (!PyUnicode_Check(rid))
+        Py_CLEAR(rid);
+    return rid;
+#endif
+}
+
+static PyObject *py_caller_request_id(PyObject *mod, PyObject *args) {
+    int skip = 1, up = 3;
+    PyObject *fallback = Py_None;
+    if (!PyArg_ParseTuple(args, "|iiO", &skip, &up, &fallback))
+        return NULL;
+    PyObject *rid = frame_request_id(skip, up, fallback);
+    return rid ? rid : Py_NewRef(Py_None);
+}
+
+/* ---- BlockLog: block_events rows ------------------------------------------------------------ */
+
+enum { EV_ALLOC, EV_FREE, EV_TOUCH, EV_CACHE, EV_EVICT };
+static const char *const EVENT_NAMES[] = {"alloc", "free", "touch", "cache", "evict"};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx;         /* kvtrace.probes.context.ctx: .step, .request_id (fallback attribution) */
+    PyObject *fallback_fn; /* the Python caller_request_id, where frames cannot be read here */
+    int in_alloc;          /* inside get_new_blocks: evictions wait for the allocation's row */
+    Buf pend_ids, pend_hashes;
+    Py_ssize_t rows;
+    Buf ts, step, group /* int16 */, ids, ids_end, hashes, hashes_end, hashed;
+    StrCol event, rid;
+    int64_t since_ns, flush_ns;
+    Py_ssize_t flush_rows;
+} BlockLog;
+
+static int hash64(PyObject *key, int64_t *out) {
+    /* First 8 bytes of a vLLM block hash as a little-endian signed int64 (columns.hash64). */
+    const unsigned char *s = NULL;
+    Py_ssize_t n = 0;
+    if (PyBytes_Check(key)) {
+        s = (const unsigned char *)PyBytes_AS_STRING(key);
+        n = PyBytes_GET_SIZE(key);
+    } else if (PyByteArray_Check(key)) {
+        s = (const unsigned char *)PyByteArray_AS_STRING(key);
+        n = PyByteArray_GET_SIZE(key);
+    } else {
+        Py_hash_t h = PyObject_Hash(key); /* older vLLM: a tuple-like hash, as hash() gives it */
+        if (h == -1 && PyErr_Occurred())
+            return -1;
+        *out = (int64_t)h;
+        return 0;
+    }
+    uint64_t v = 0;
+    Py_ssize_t k = n < 8 ? n : 8;
+    for (Py_ssize_t i = 0; i < k; i++)
+        v |= (uint64_t)s[i] << (8 * i);
+    if (k > 0 && k < 8 && (s[k - 1] & 0x80))
+        v |= ~(uint64_t)0 << (8 * k); /* int.from_bytes(signed=True) of fewer than 8 bytes */
+    *out = (int64_t)v;
+    return 0;
+}
+
+static int64_t ctx_step(BlockLog *self) {
+    PyObject *v = PyObject_GetAttr(self->ctx, s_step);
+    if (v == NULL)
+        return -1;
+    int64_t step = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return step;
+}
+
+/* The request a pool call is made for: the caller's argument, else ctx.request_id. New ref or None. */
+static PyObject *block_request(BlockLog *self) {
+    PyObject *rid = frame_request_id(1, 3, self->fallback_fn);
+    if (rid != NULL)
+        return rid;
+    rid = PyObject_GetAttr(self->ctx, s_request_id);
+    if (rid == NULL)
+        PyErr_Clear();
+    return rid ? rid : Py_NewRef(Py_None);
+}
+
+/* One row. Its block ids (and hashes, if `hashed`) are already appended to `ids` (`hashes`): on an
+   error the caller cuts them back. Everything that can fail happens before the first column is
+   written, so the columns always hold whole rows. */
+static int block_row(BlockLog *self, int64_t t, int event, int32_t group, PyObject *rid, int hashed) {
+    int64_t step = ctx_step(self);
+    if (step == -1 && PyErr_Occurred())
+        return -1;
+    const char *u;
+    Py_ssize_t k;
+    if (str_text(rid, &u, &k) < 0)
+        return -1;
+    const char *name = EVENT_NAMES[event];
+    Py_ssize_t name_len = (Py_ssize_t)strlen(name);
+    if (buf_reserve(&self->ts, 8) < 0 || buf_reserve(&self->step, 8) < 0 || str_reserve(&self->event, name_len) < 0
+        || buf_reserve(&self->group, 2) < 0 || str_reserve(&self->rid, k) < 0
+        || buf_reserve(&self->ids_end, 8) < 0 || buf_reserve(&self->hashes_end, 8) < 0
+        || buf_reserve(&self->hashed, 1) < 0)
+        return -1;
+    if (self->ids_end.n == 0) { /* list offsets: a leading 0, as Arrow lays them out */
+        STORE(&self->ids_end, int32_t, 0);
+        STORE(&self->hashes_end, int32_t, 0);
+    }
+    STORE(&self->ts, int64_t, t);
+    STORE(&self->step, int64_t, step);
+    str_write(&self->event, self->rows, name, name_len);
+    STORE(&self->group, int16_t, group);
+    str_write(&self->rid, self->rows, u, k);
+    STORE(&self->ids_end, int32_t, self->ids.n / 4);
+    STORE(&self->hashes_end, int32_t, self->hashes.n / 8);
+    bitmap_set(&self->hashed, self->rows, hashed);
+    self->rows++;
+    return 0;
+}
+
+/* Append the ids of `blocks` (KVCacheBlock objects) to `ids`, leaving out `skip` (the null block);
+   returns how many, or -1. */
+static Py_ssize_t put_block_ids(Buf *ids, PyObject *blocks, PyObject *skip) {
+    PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), k = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (buf_reserve(ids, n * 4) < 0)
+        goto error;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (items[i] == skip)
+            continue;
+        PyObject *v = PyObject_GetAttr(items[i], s_block_id);
+        if (v == NULL)
+            goto error;
+        long id = PyLong_AsLong(v);
+        Py_DECREF(v);
+        if (id == -1 && PyErr_Occurred())
+            goto error;
+        if (put_i32(ids, (int32_t)id) < 0)
+            goto error;
+        k++;
+    }
+    Py_DECREF(seq);
+    return k;
+error:
+    Py_DECREF(seq);
+    return -1;
+}
+
+static PyObject *due(BlockLog *self, int64_t t) {
+    return PyBool_FromLong(self->rows >= self->flush_rows || t - self->since_ns >= self->flush_ns);
+}
+
+static int BlockLog_init(BlockLog *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"ctx", "fallback", "flush_rows", "flush_ns", NULL};
+    PyObject *ctx, *fallback = Py_None;
+    Py_ssize_t flush_rows = 8192;
+    long long flush_ns = 250000000LL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OnL", names, &ctx, &fallback, &flush_rows, &flush_ns))
+        return -1;
+    Py_XSETREF(self->ctx, Py_NewRef(ctx));
+    Py_XSETREF(self->fallback_fn, Py_NewRef(fallback));
+    self->flush_rows = flush_rows;
+    self->flush_ns = flush_ns;
+    self->since_ns = now_ns();
+    return 0;
+}
+
+static void block_free_columns(BlockLog *self) {
+    Buf *bufs[] = {&self->ts, &self->step, &self->group, &self->ids, &self->ids_end, &self->hashes,
+                   &self->hashes_end, &self->hashed};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        buf_free(bufs[i]);
+    str_free(&self->event);
+    str_free(&self->rid);
+    self->rows = 0;
+}
+
+static void BlockLog_dealloc(BlockLog *self) {
+    block_free_columns(self);
+    buf_free(&self->pend_ids);
+    buf_free(&self->pend_hashes);
+    Py_XDECREF(self->ctx);
+    Py_XDECREF(self->fallback_fn);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *BlockLog_begin_alloc(BlockLog *self, PyObject *unused) {
+    self->in_alloc = 1;
+    self->pend_ids.n = self->pend_hashes.n = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *BlockLog_end_alloc(BlockLog *self, PyObject *unused) {
+    self->in_alloc = 0;
+    self->pend_ids.n = self->pend_hashes.n = 0;
+    Py_RETURN_NONE;
+}
+
+/* get_new_blocks returned `blocks`: the evictions it made (one row), then the allocation (one row). */
+static PyObject *BlockLog_alloc(BlockLog *self, PyObject *blocks) {
+    self->in_alloc = 0;
+    int64_t t = now_ns();
+    PyObject *rid = block_request(self);
+    Py_ssize_t ids0 = self->ids.n, hashes0 = self->hashes.n;
+    int err = 0;
+    if (self->pend_ids.n) {
+        err = buf_put(&self->ids, self->pend_ids.p, self->pend_ids.n) < 0
+              || buf_put(&self->hashes, self->pend_hashes.p, self->pend_hashes.n) < 0
+              || block_row(self, t, EV_EVICT, 0, rid, 1) < 0;
+        self->pend_ids.n = self->pend_hashes.n = 0;
+        if (err) {
+            self->ids.n = ids0;
+            self->hashes.n = hashes0;
+        }
+    }
+    if (!err) {
+        ids0 = self->ids.n;
+        Py_ssize_t k = put_block_ids(&self->ids, blocks, NULL);
+        err = k < 0 || (k > 0 && block_row(self, t, EV_ALLOC, 0, rid, 0) < 0);
+        if (k <= 0 || err)
+            self->ids.n = ids0;
+    }
+    Py_DECREF(rid);
+    return err ? NULL : due(self, t);
+}
+
+/* _maybe_evict_cached_block evicted `block_id`, whose hash was `key`. */
+static PyObject *BlockLog_evict(BlockLog *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "evict(block_id, key)");
+        return NULL;
+    }
+    long id = PyLong_AsLong(args[0]);
+    int64_t h;
+    if ((id == -1 && PyErr_Occurred()) || hash64(args[1], &h) < 0)
+        return NULL;
+    if (self->in_alloc) {
+        if (put_i32(&self->pend_ids, (int32_t)id) < 0 || put_i64(&self->pend_hashes, h) < 0)
+            return NULL;
+        Py_RETURN_FALSE;
+    }
+    int64_t t = now_ns(); /* an eviction outside allocation (evict_blocks) */
+    PyObject *rid = block_request(self);
+    Py_ssize_t ids0 = self->ids.n, hashes0 = self->hashes.n;
+    int err = put_i32(&self->ids, (int32_t)id) < 0 || put_i64(&self->hashes, h) < 0
+              || block_row(self, t, EV_EVICT, 0, rid, 1) < 0;
+    if (err) {
+        self->ids.n = ids0;
+        self->hashes.n = hashes0;
+    }
+    Py_DECREF(rid);
+    return err ? NULL : due(self, t);
+}
+
+/* free_blocks / touch of `blocks` on `pool`: one row of their ids without the null block. */
+static PyObject *block_ids_row(BlockLog *self, PyObject *const *args, Py_ssize_t nargs, int event) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "expected (pool, blocks)");
+        return NULL;
+    }
+    PyObject *null = PyObject_GetAttr(args[0], s_null_block);
+    if (null == NULL)
+        return NULL;
+    Py_ssize_t before = self->ids.n;
+    Py_ssize_t k = put_block_ids(&self->ids, args[1], null);
+    Py_DECREF(null);
+    if (k < 0)
+        return NULL;
+    if (k == 0) {
+        self->ids.n = before;
+        Py_RETURN_FALSE;
+    }
+    int64_t t = now_ns();
+    PyObject *rid = block_request(self);
+    int err = block_row(self, t, event, 0, rid, 0) < 0;
+    Py_DECREF(rid);
+    if (err)
+        self->ids.n = before;
+    return err ? NULL : due(self, t);
+}
+
+static PyObject *BlockLog_free(BlockLog *self, PyObject *const *args, Py_ssize_t nargs) {
+    return block_ids_row(self, args, nargs, EV_FREE);
+}
+
+static PyObject *BlockLog_touch(BlockLog *self, PyObject *const *args, Py_ssize_t nargs) {
+    return block_ids_row(self, args, nargs, EV_TOUCH);
+}
+
+/* cache_full_blocks(request, blocks, num_cached, num_full, group): blocks[num_cached:num_full] that
+   have a hash (null or masked-out blocks were not cached), with their hashes. */
+static PyObject *BlockLog_cache(BlockLog *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "cache(request, blocks, num_cached, num_full, group)");
+        return NULL;
+    }
+    Py_ssize_t lo = PyLong_AsSsize_t(args[2]), hi = PyLong_AsSsize_t(args[3]);
+    long group = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "blocks must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (lo < 0)
+        lo = 0;
+    if (hi > n)
+        hi = n;
+    Py_ssize_t ids0 = self->ids.n, hashes0 = self->hashes.n, k = 0;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        PyObject *key = PyObject_GetAttr(items[i], s_block_hash);
+        if (key == NULL)
+            goto error;
+        if (key == Py_None) {
+            Py_DECREF(key);
+            continue;
+        }
+        int64_t h;
+        int bad = hash64(key, &h) < 0;
+        Py_DECREF(key);
+        PyObject *v = bad ? NULL : PyObject_GetAttr(items[i], s_block_id);
+        if (v == NULL)
+            goto error;
+        long id = PyLong_AsLong(v);
+        Py_DECREF(v);
+        if ((id == -1 && PyErr_Occurred()) || put_i32(&self->ids, (int32_t)id) < 0
+            || put_i64(&self->hashes, h) < 0)
+            goto error;
+        k++;
+    }
+    Py_DECREF(seq);
+    if (k == 0)
+        Py_RETURN_FALSE;
+    int64_t t = now_ns();
+    PyObject *rid = PyObject_GetAttr(args[0], s_request_id);
+    if (rid == NULL)
+        goto undo;
+    int err = block_row(self, t, EV_CACHE, (int32_t)group, rid, 1) < 0;
+    Py_DECREF(rid);
+    if (err)
+        goto undo;
+    return due(self, t);
+error:
+    Py_DECREF(seq);
+undo:
+    self->ids.n = ids0;
+    self->hashes.n = hashes0;
+    return NULL;
+}
+
+/* The rows so far as column buffers (dict), and an empty log; None when there are none. */
+static PyObject *BlockLog_take_raw(BlockLog *self, PyObject *unused) {
+    self->since_ns = now_ns();
+    if (self->rows == 0)
+        Py_RETURN_NONE;
+    PyObject *out = Py_BuildValue(
+        "{s:n,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "rows", self->rows, "ts_ns", buf_take(&self->ts),
+        "step", buf_take(&self->step), "event", str_take(&self->event), "kv_group", buf_take(&self->group),
+        "request_id", str_take(&self->rid), "ids", buf_take(&self->ids), "ids_end", buf_take(&self->ids_end),
+        "hashes", buf_take(&self->hashes), "hashes_end", buf_take(&self->hashes_end), "hashed",
+        buf_take(&self->hashed));
+    block_free_columns(self);
+    return out;
+}
+
+static PyObject *BlockLog_get_rows(BlockLog *self, void *closure) { return PyLong_FromSsize_t(self->rows); }
+
+static PyMethodDef BlockLog_methods[] = {
+    {"begin_alloc", (PyCFunction)BlockLog_begin_alloc, METH_NOARGS, "get_new_blocks starts: hold evictions"},
+    {"end_alloc", (PyCFunction)BlockLog_end_alloc, METH_NOARGS, "get_new_blocks raised: forget them"},
+    {"alloc", (PyCFunction)BlockLog_alloc, METH_O, "alloc(blocks) -> bool: time to take()"},
+    {"evict", (PyCFunction)(void (*)(void))BlockLog_evict, METH_FASTCALL, "evict(block_id, key) -> bool"},
+    {"free", (PyCFunction)(void (*)(void))BlockLog_free, METH_FASTCALL, "free(pool, blocks) -> bool"},
+    {"touch", (PyCFunction)(void (*)(void))BlockLog_touch, METH_FASTCALL, "touch(pool, blocks) -> bool"},
+    {"cache", (PyCFunction)(void (*)(void))BlockLog_cache, METH_FASTCALL,
+     "cache(request, blocks, num_cached, num_full, group) -> bool"},
+    {"take_raw", (PyCFunction)BlockLog_take_raw, METH_NOARGS, "the rows as column buffers, or None"},
+    {NULL}};
+
+static PyGetSetDef BlockLog_getset[] = {{"rows", (getter)BlockLog_get_rows, NULL, "rows held", NULL}, {NULL}};
+
+static PyTypeObject BlockLogType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtrace.probes._columns.BlockLog",
+    .tp_basicsize = sizeof(BlockLog),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "block_events rows as columns (see columns.BlockLog)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)BlockLog_init,
+    .tp_dealloc = (destructor)BlockLog_dealloc,
+    .tp_methods = BlockLog_methods,
+    .tp_getset = BlockLog_getset,
+};
+
+/* ---- DecodeLog: step_requests rows of decoding requests ------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t rows;
+    Buf step, computed, tokens, new_blocks;
+    StrCol rid;
+    int64_t since_ns, flush_ns;
+    Py_ssize_t flush_rows;
+} DecodeLog;
+
+static int DecodeLog_init(DecodeLog *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"flush_rows", "flush_ns", NULL};
+    Py_ssize_t flush_rows = 16384;
+    long long flush_ns = 250000000LL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|nL", names, &flush_rows, &flush_ns))
+        return -1;
+    self->flush_rows = flush_rows;
+    self->flush_ns = flush_ns;
+    self->since_ns = now_ns();
+    return 0;
+}
+
+static void decode_free_columns(DecodeLog *self) {
+    buf_free(&self->step);
+    buf_free(&self->computed);
+    buf_free(&self->tokens);
+    buf_free(&self->new_blocks);
+    str_free(&self->rid);
+    self->rows = 0;
+}
+
+static void DecodeLog_dealloc(DecodeLog *self) {
+    decode_free_columns(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* add(step, ids, computed, new_block_ids, skip, num_scheduled): a row for each position of the
+   SchedulerOutput's cached requests (ids, num_computed_tokens, new_block_ids lists) that is not in
+   `skip` (sorted positions of prefill rows, or None); tokens 1 each when `num_scheduled` is None,
+   else num_scheduled[id]. Returns True when it is time to take(). */
+static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "add(step, ids, computed, new_block_ids, skip, num_scheduled)");
+        return NULL;
+    }
+    int64_t step = PyLong_AsLongLong(args[0]);
+    if (step == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *ids = PySequence_Fast(args[1], "ids"), *comps = NULL, *news = NULL, *skip = NULL;
+    PyObject *num_sched = args[5] == Py_None ? NULL : args[5];
+    Py_ssize_t rows0 = self->rows, j = 0, nskip = 0;
+    if (ids == NULL || (comps = PySequence_Fast(args[2], "computed")) == NULL
+        || (news = PySequence_Fast(args[3], "new_block_ids")) == NULL)
+        goto error;
+    if (args[4] != Py_None) {
+        if ((skip = PySequence_Fast(args[4], "skip")) == NULL)
+            goto error;
+        nskip = PySequence_Fast_GET_SIZE(skip);
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
+    if (PySequence_Fast_GET_SIZE(comps) != n || PySequence_Fast_GET_SIZE(news) != n) {
+        PyErr_SetString(PyExc_ValueError, "ids, computed and new_block_ids differ in length");
+        goto error;
+    }
+    Py_ssize_t next_skip = nskip ? PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(skip, 0)) : -1;
+    if (next_skip == -1 && PyErr_Occurred())
+        goto error;
+    if (buf_reserve(&self->step, n * 8) < 0 || buf_reserve(&self->computed, n * 4) < 0
+        || buf_reserve(&self->tokens, n * 4) < 0 || buf_reserve(&self->new_blocks, n * 4) < 0)
+        goto error;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i == next_skip) {
+            j++;
+            next_skip = j < nskip ? PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(skip, j)) : -1;
+            if (next_skip == -1 && PyErr_Occurred())
+                goto error;
+            continue;
+        }
+        PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
+        long computed = PyLong_AsLong(PySequence_Fast_GET_ITEM(comps, i));
+        if (computed == -1 && PyErr_Occurred())
+            goto error;
+        long tokens = 1;
+        if (num_sched != NULL) {
+            PyObject *v = PyDict_GetItemWithError(num_sched, rid);
+            if (v == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_SetObject(PyExc_KeyError, rid);
+                goto error;
+            }
+            tokens = PyLong_AsLong(v);
+            if (tokens == -1 && PyErr_Occurred())
+                goto error;
+        }
+        long nb = 0; /* None (no new blocks) or a tuple of per-group lists: count group 0's */
+        PyObject *groups = PySequence_Fast_GET_ITEM(news, i);
+        if (groups != Py_None && PyObject_IsTrue(groups) == 1) {
+            PyObject *first = PySequence_GetItem(groups, 0);
+            if (first == NULL)
+                goto error;
+            nb = (long)PyObject_Length(first);
+            Py_DECREF(first);
+            if (nb < 0)
+                goto error;
+        }
+        const char *u;
+        Py_ssize_t k;
+        if (str_text(rid, &u, &k) < 0 || str_reserve(&self->rid, k) < 0)
+            goto error;
+        STORE(&self->step, int64_t, step); /* room reserved above */
+        str_write(&self->rid, self->rows, u, k);
+        STORE(&self->computed, int32_t, computed);
+        STORE(&self->tokens, int32_t, tokens);
+        STORE(&self->new_blocks, int32_t, nb);
+        self->rows++;
+    }
+    Py_DECREF(ids);
+    Py_DECREF(comps);
+    Py_DECREF(news);
+    Py_XDECREF(skip);
+    int64_t t = now_ns();
+    return PyBool_FromLong(self->rows >= self->flush_rows || t - self->since_ns >= self->flush_ns);
+error:
+    /* Keep whole rows only: cut every column back to the rows before this call. */
+    self->step.n = rows0 * 8;
+    self->computed.n = self->tokens.n = self->new_blocks.n = rows0 * 4;
+    str_truncate(&self->rid, rows0);
+    self->rows = rows0;
+    Py_XDECREF(ids);
+    Py_XDECREF(comps);
+    Py_XDECREF(news);
+    Py_XDECREF(skip);
+    return NULL;
+}
+
+static PyObject *DecodeLog_take_raw(DecodeLog *self, PyObject *unused) {
+    self->since_ns = now_ns();
+    if (self->rows == 0)
+        Py_RETURN_NONE;
+    PyObject *out = Py_BuildValue("{s:n,s:N,s:N,s:N,s:N,s:N}", "rows", self->rows, "step", buf_take(&self->step),
+                                  "request_id", str_take(&self->rid), "computed_before",
+                                  buf_take(&self->computed), "tokens", buf_take(&self->tokens), "new_blocks",
+                                  buf_take(&self->new_blocks));
+    decode_free_columns(self);
+    return out;
+}
+
+static PyObject *DecodeLog_get_rows(DecodeLog *self, void *closure) { return PyLong_FromSsize_t(self->rows); }
+
+static PyMethodDef DecodeLog_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))DecodeLog_add, METH_FASTCALL,
+     "add(step, ids, computed, new_block_ids, skip, num_scheduled) -> bool: time to take()"},
+    {"take_raw", (PyCFunction)DecodeLog_take_raw, METH_NOARGS, "the rows as column buffers, or None"},
+    {NULL}};
+
+static PyGetSetDef DecodeLog_getset[] = {{"rows", (getter)DecodeLog_get_rows, NULL, "rows held", NULL}, {NULL}};
+
+static PyTypeObject DecodeLogType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtrace.probes._columns.DecodeLog",
+    .tp_basicsize = sizeof(DecodeLog),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "decode step_requests rows as columns (see columns.DecodeLog)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)DecodeLog_init,
+    .tp_dealloc = (destructor)DecodeLog_dealloc,
+    .tp_methods = DecodeLog_methods,
+    .tp_getset = DecodeLog_getset,
+};
+
+/* ---- RowLog: any table's rows, appended as tuples ------------------------------------------- */
+
+/* One column of a RowLog: kinds 'b' 'h' 'i' 'q' (int8/16/32/64), 's' (string), 'I' 'Q' (lists of
+   int32/int64). `values` holds fixed-size values or list items, `offsets` the strings' and lists' int32
+   offsets (a leading 0), `data` the strings' bytes, `valid` the validity bitmap. */
+typedef struct {
+    char kind;
+    Buf values, offsets, data, valid;
+} Column;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t ncols, rows, max_rows;
+    Column *cols;
+    Py_ssize_t bad_rows;  /* rows that did not fit the schema: counted, never stored */
+    Py_ssize_t over_rows; /* rows past max_rows (a writer far behind): counted, never stored */
+} RowLog;
+
+static int item_size(char kind) {
+    switch (kind) {
+    case 'b': return 1;
+    case 'h': return 2;
+    case 'i': case 'I': return 4;
+    default: return 8;
+    }
+}
+
+/* A Python int as `kind`'s width; -1 with an error when it does not fit (as Arrow refuses it). A list
+   item of an int64 list may be bytes: a vLLM block hash, stored as its first 8 bytes (hash64). */
+static int int_of(PyObject *v, char kind, int64_t *out) {
+    if ((kind == 'Q') && (PyBytes_Check(v) || PyByteArray_Check(v)))
+        return hash64(v, out);
+    if (!PyLong_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "not an int");
+        return -1;
+    }
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    int64_t lo = kind == 'b' ? INT8_MIN : kind == 'h' ? INT16_MIN : (kind == 'i' || kind == 'I') ? INT32_MIN : INT64_MIN;
+    int64_t hi = kind == 'b' ? INT8_MAX : kind == 'h' ? INT16_MAX : (kind == 'i' || kind == 'I') ? INT32_MAX : INT64_MAX;
+    if (x < lo || x > hi) {
+        PyErr_SetString(PyExc_OverflowError, "int out of the column's range");
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static inline void store_int(Buf *b, char kind, int64_t x) {
+    switch (item_size(kind)) {
+    case 1: STORE(b, int8_t, x); break;
+    case 2: STORE(b, int16_t, x); break;
+    case 4: STORE(b, int32_t, x); break;
+    default: STORE(b, int64_t, x);
+    }
+}
+
+/* Column `c`'s value of row `row`; -1 (error set) when it does not fit. Leaves partial bytes on
+   error: the caller cuts every column back to the row's start. */
+static int column_put(Column *c, Py_ssize_t row, PyObject *v) {
+    int valid = v != Py_None;
+    if (buf_reserve(&c->valid, 1) < 0)
+        return -1;
+    switch (c->kind) {
+    case 's': {
+        const char *u = NULL;
+        Py_ssize_t k = 0;
+        if (valid && !PyUnicode_Check(v)) {
+            PyErr_SetString(PyExc_TypeError, "not a str");
+            return -1;
+        }
+        if (str_text(v, &u, &k) < 0 || buf_reserve(&c->offsets, 8) < 0 || buf_reserve(&c->data, k) < 0)
+            return -1;
+        if (c->offsets.n == 0)
+            STORE(&c->offsets, int32_t, 0);
+        if (k) {
+            memcpy(c->data.p + c->data.n, u, k);
+            c->data.n += k;
+        }
+        STORE(&c->offsets, int32_t, c->data.n);
+        break;
+    }
+    case 'I': case 'Q': {
+        if (buf_reserve(&c->offsets, 8) < 0)
+            return -1;
+        if (c->offsets.n == 0)
+            STORE(&c->offsets, int32_t, 0);
+        if (valid) {
+            PyObject *seq = PySequence_Fast(v, "not a sequence");
+            if (seq == NULL)
+                return -1;
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), size = item_size(c->kind);
+            if (buf_reserve(&c->values, n * size) < 0) {
+                Py_DECREF(seq);
+                return -1;
+            }
+            for (Py_ssize_t i = 0; i < n; i++) {
+                int64_t x;
+                if (int_of(PySequence_Fast_GET_ITEM(seq, i), c->kind, &x) < 0) {
+                    Py_DECREF(seq);
+                    return -1;
+                }
+                store_int(&c->values, c->kind, x);
+            }
+            Py_DECREF(seq);
+        }
+        STORE(&c->offsets, int32_t, c->values.n / item_size(c->kind));
+        break;
+    }
+    default: {
+        int64_t x = 0;
+        if ((valid && int_of(v, c->kind, &x) < 0) || buf_reserve(&c->values, 8) < 0)
+            return -1;
+        store_int(&c->values, c->kind, x);
+    }
+    }
+    bitmap_set(&c->valid, row, valid);
+    return 0;
+}
+
+typedef struct {
+    Py_ssize_t values, offsets, data, valid;
+} ColumnMark;
+
+static void column_truncate(Column *c, Py_ssize_t row, ColumnMark m) {
+    c->values.n = m.values;
+    c->offsets.n = m.offsets;
+    c->data.n = m.data;
+    c->valid.n = m.valid;
+    if ((row & 7) && c->valid.n > (row >> 3))
+        c->valid.p[row >> 3] &= (char)((1 << (row & 7)) - 1);
+}
+
+static void rowlog_free_columns(RowLog *self) {
+    for (Py_ssize_t j = 0; j < self->ncols; j++) {
+        buf_free(&self->cols[j].values);
+        buf_free(&self->cols[j].offsets);
+        buf_free(&self->cols[j].data);
+        buf_free(&self->cols[j].valid);
+    }
+    self->rows = 0;
+}
+
+static int RowLog_init(RowLog *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"kinds", "max_rows", NULL};
+    const char *kinds;
+    Py_ssize_t max_rows = PY_SSIZE_T_MAX;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|n", names, &kinds, &max_rows))
+        return -1;
+    if (self->cols != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "RowLog initialised twice");
+        return -1;
+    }
+    Py_ssize_t n = (Py_ssize_t)strlen(kinds);
+    for (Py_ssize_t j = 0; j < n; j++)
+        if (!strchr("bhiqsIQ", kinds[j])) {
+            PyErr_Format(PyExc_ValueError, "unknown column kind %c", kinds[j]);
+            return -1;
+        }
+    self->cols = PyMem_Calloc(n ? n : 1, sizeof(Column));
+    if (self->cols == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < n; j++)
+        self->cols[j].kind = kinds[j];
+    self->ncols = n;
+    self->max_rows = max_rows;
+    return 0;
+}
+
+static void RowLog_dealloc(RowLog *self) {
+    if (self->cols != NULL) {
+        rowlog_free_columns(self);
+        PyMem_Free(self->cols);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* append(row): a tuple with a value per column (None: null). A row that does not fit (wrong length,
+   type or range) is counted in bad_rows and not stored; append itself never raises for it, so a
+   probe's bad row is the recorder's to report, as with rows kept as tuples. */
+static PyObject *RowLog_append(RowLog *self, PyObject *row) {
+    if (self->cols == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "RowLog not initialised");
+        return NULL;
+    }
+    if (self->rows >= self->max_rows) {
+        self->over_rows++;
+        Py_RETURN_NONE;
+    }
+    if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != self->ncols) {
+        self->bad_rows++;
+        Py_RETURN_NONE;
+    }
+    ColumnMark marks[64];
+    ColumnMark *m = self->ncols <= 64 ? marks : PyMem_Malloc(self->ncols * sizeof(ColumnMark));
+    if (m == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t j;
+    for (j = 0; j < self->ncols; j++) {
+        Column *c = &self->cols[j];
+        m[j] = (ColumnMark){c->values.n, c->offsets.n, c->data.n, c->valid.n};
+    }
+    for (j = 0; j < self->ncols; j++)
+        if (column_put(&self->cols[j], self->rows, PyTuple_GET_ITEM(row, j)) < 0)
+            break;
+    if (j < self->ncols) { /* the row does not fit: cut every column back to where it was */
+        int oom = PyErr_ExceptionMatches(PyExc_MemoryError);
+        PyErr_Clear();
+        for (Py_ssize_t i = 0; i < self->ncols; i++)
+            column_truncate(&self->cols[i], self->rows, m[i]);
+        self->bad_rows += !oom;
+        self->over_rows += oom;
+    } else {
+        self->rows++;
+    }
+    if (m != marks)
+        PyMem_Free(m);
+    Py_RETURN_NONE;
+}
+
+/* extend(rows): append each row of an iterable. */
+static PyObject *RowLog_extend(RowLog *self, PyObject *rows) {
+    PyObject *it = PyObject_GetIter(rows);
+    if (it == NULL)
+        return NULL;
+    PyObject *row;
+    while ((row = PyIter_Next(it)) != NULL) {
+        PyObject *r = RowLog_append(self, row);
+        Py_DECREF(row);
+        if (r == NULL) {
+            Py_DECREF(it);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* (rows, [per column: (validity, values, offsets, data)], bad_rows, over_rows), and an empty log. */
+static PyObject *RowLog_take_raw(RowLog *self, PyObject *unused) {
+    if (self->cols == NULL)
+        Py_RETURN_NONE;
+    PyObject *cols = PyList_New(self->ncols);
+    if (cols == NULL)
+        return NULL;
+    for (Py_ssize_t j = 0; j < self->ncols; j++) {
+        Column *c = &self->cols[j];
+        PyObject *t = Py_BuildValue("(NNNN)", buf_take(&c->valid), buf_take(&c->values), buf_take(&c->offsets),
+                                    buf_take(&c->data));
+        if (t == NULL) {
+            Py_DECREF(cols);
+            return NULL;
+        }
+        PyList_SET_ITEM(cols, j, t);
+    }
+    PyObject *out = Py_BuildValue("(nNnn)", self->rows, cols, self->bad_rows, self->over_rows);
+    self->rows = self->bad_rows = self->over_rows = 0;
+    return out;
+}
+
+static PyObject *RowLog_clear(RowLog *self, PyObject *unused) {
+    if (self->cols != NULL)
+        rowlog_free_columns(self);
+    self->bad_rows = self->over_rows = 0;
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t RowLog_len(RowLog *self) { return self->rows; }
+
+static PyMethodDef RowLog_methods[] = {
+    {"append", (PyCFunction)RowLog_append, METH_O, "append(row): a tuple of the table's columns"},
+    {"extend", (PyCFunction)RowLog_extend, METH_O, "extend(rows): append each row"},
+    {"take_raw", (PyCFunction)RowLog_take_raw, METH_NOARGS, "the rows as column buffers, and an empty log"},
+    {"clear", (PyCFunction)RowLog_clear, METH_NOARGS, "forget every row (a forked child)"},
+    {NULL}};
+
+static PySequenceMethods RowLog_as_sequence = {.sq_length = (lenfunc)RowLog_len};
+
+static PyTypeObject RowLogType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtrace.probes._columns.RowLog",
+    .tp_basicsize = sizeof(RowLog),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "a table's rows as columns, appended as tuples (see columns.RowLog)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)RowLog_init,
+    .tp_dealloc = (destructor)RowLog_dealloc,
+    .tp_methods = RowLog_methods,
+    .tp_as_sequence = &RowLog_as_sequence,
+};
+
+/* ---- positions ------------------------------------------------------------------------------ */
+
+/* positions(seq, members): the indices of `seq`'s items that are in `members` (a set), in order. The
+   scheduler probe's prefill rows among a step's cached requests: one pass with hashed lookups, where
+   list.index per wanted item compares strings along the list (~200 comparisons each). */
+static PyObject *py_positions(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "positions(seq, members)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "seq must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    Py_ssize_t n = out ? PySequence_Fast_GET_SIZE(seq) : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int has = PySequence_Contains(args[1], PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *index = has == 1 ? PyLong_FromSsize_t(i) : NULL;
+        if (has < 0 || (has == 1 && (index == NULL || PyList_Append(out, index) < 0))) {
+            Py_XDECREF(index);
+            Py_CLEAR(out);
+            break;
+        }
+        Py_XDECREF(index);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* ---- module --------------------------------------------------------------------------------- */
+
+static PyMethodDef module_methods[] = {
+    {"caller_request_id", py_caller_request_id, METH_VARARGS,
+     "caller_request_id(skip=1, up=3, fallback=None): the request id argument of the nearest of `up` "
+     "Python frames above the `skip` nearest, or None"},
+    {"positions", (PyCFunction)(void (*)(void))py_positions, METH_FASTCALL,
+     "positions(seq, members): indices of seq's items that are in members, in order"},
+    {NULL}};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_columns", "kvtrace's host-probe hot path in C",
+                                        -1, module_methods};
+
+PyMODINIT_FUNC PyInit__columns(void) {
+    s_request_id = PyUnicode_InternFromString("request_id");
+    s_request = PyUnicode_InternFromString("request");
+    s_step = PyUnicode_InternFromString("step");
+    s_block_id = PyUnicode_InternFromString("block_id");
+    s_block_hash = PyUnicode_InternFromString("block_hash");
+    s_null_block = PyUnicode_InternFromString("null_block");
+    if (!s_request_id || !s_request || !s_step || !s_block_id || !s_block_hash || !s_null_block)
+        return NULL;
+    if (PyType_Ready(&BlockLogType) < 0 || PyType_Ready(&DecodeLogType) < 0 || PyType_Ready(&RowLogType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "BlockLog", (PyObject *)&BlockLogType) < 0
+        || PyModule_AddObjectRef(m, "DecodeLog", (PyObject *)&DecodeLogType) < 0
+        || PyModule_AddObjectRef(m, "RowLog", (PyObject *)&RowLogType) < 0
+        || PyModule_AddIntConstant(m, "FRAMES_NATIVE",
+#if defined(KVT_FRAMES_311) || defined(KVT_FRAMES_PUBLIC)
+                                   1
+#else
+                                   0
+#endif
+                                   ) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

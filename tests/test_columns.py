@@ -1,0 +1,364 @@
+"""The host probes' logs (probes/columns.py): the native twins (`_columns.c`) give the same rows as the
+Python reference, call for call, and a real driven vLLM scheduler records the same tables with either."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from kvtrace.probes import columns
+from kvtrace.probes.context import ctx
+
+native_only = pytest.mark.skipif(columns._columns is None, reason=f"native logs not built: {columns.NATIVE_MISSING}")
+
+
+def test_native_logs_are_built_where_a_compiler_is():
+    """The extension is optional at install (no compiler: the Python logs serve), so nothing else would
+    notice a build that silently failed where it should not."""
+    if columns.NATIVE_MISSING == "KVTRACE_NATIVE=0":
+        pytest.skip("native logs switched off (KVTRACE_NATIVE=0)")
+    if not (shutil.which(str(sysconfig.get_config_var("CC") or "cc").split()[0]) or shutil.which("cc")):
+        pytest.skip("no C compiler here: the Python logs serve")
+    assert columns.native(), columns.NATIVE_MISSING
+
+
+# ---- stand-ins for vLLM's objects ------------------------------------------------------------------
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    block_hash: Any = None
+
+
+@dataclass
+class Pool:
+    null_block: Block
+
+
+@dataclass
+class Request:
+    request_id: str
+
+
+NULL = Block(0)
+POOL = Pool(NULL)
+H = [bytes([i] * 8) + b"\x00" * 24 for i in range(1, 10)]  # vLLM-like 32-byte hashes
+
+
+# Frames as vLLM's make them: a manager method with a `request_id` argument calls the pool, whose
+# wrapper calls the log (the log names the request from the wrapper's caller).
+def wrapper(fn, *args):
+    return fn(*args)
+
+
+def manager(request_id, fn, *args):
+    return wrapper(fn, *args)
+
+
+def manager_of_request(request, fn, *args):
+    return wrapper(fn, *args)
+
+
+def no_request(fn, *args):
+    request = "a local, not an argument"  # noqa: F841 - must not name the request
+    return wrapper(fn, *args)
+
+
+def block_script(log) -> list:
+    """Every kind of BlockLog call, in vLLM's order; returns what each call returned."""
+    ctx.step, ctx.request_id = 7, None
+    got = []
+    log.begin_alloc()
+    got.append(log.evict(5, H[0]))  # held: inside get_new_blocks
+    got.append(log.evict(6, bytearray(H[1])))
+    got.append(manager("req-a", log.alloc, [Block(5), Block(6), Block(9)]))
+    log.begin_alloc()
+    got.append(manager("req-a", log.alloc, []))  # no blocks, no evictions: no row
+    ctx.step = 8
+    got.append(manager_of_request(Request("req-b"), log.touch, POOL, [NULL, Block(3), Block(4)]))
+    got.append(manager("req-b", log.touch, POOL, [NULL]))  # only the null block: no row
+    got.append(log.cache(Request("req-b"), [Block(3, H[2]), Block(4, None), Block(8, H[3]), Block(2, H[4])], 0, 3, 1))
+    got.append(log.cache(Request("req-b"), [Block(3, None)], 0, 1, 0))  # nothing hashed: no row
+    ctx.request_id = "held-by-ctx"  # the scheduler probe's fallback (frees it makes itself)
+    got.append(no_request(log.free, POOL, [Block(9), NULL, Block(6)]))
+    ctx.request_id = None
+    got.append(wrapper(log.evict, 11, b"\xff\x01"))  # outside allocation; a short hash, sign-extended
+    got.append(wrapper(log.evict, 12, (1, 2, 3)))  # older vLLM: a tuple hash, as hash() gives it
+    got.append(manager("caf\u00e9-\u00fc", log.free, POOL, [Block(1)]))  # non-ASCII request id
+    log.begin_alloc()
+    log.evict(13, H[5])
+    log.end_alloc()  # get_new_blocks raised: its evictions are forgotten with it
+    got.append(manager("req-c", log.alloc, [Block(14)]))
+    return got
+
+
+def table(cols: dict, name: str) -> pa.Table:
+    from kvtrace import schema
+
+    sch = schema.arrow_schema(name)
+    return pa.Table.from_arrays([pa.array(cols[f.name], type=f.type) for f in sch], schema=sch)
+
+
+def expected_block_rows() -> list[dict]:
+    def row(step, event, group, rid, ids, hashes=None):
+        return {"step": step, "event": event, "kv_group": group, "request_id": rid, "block_ids": ids,
+                "block_hashes": hashes}
+
+    h = [int.from_bytes(k[:8], "little", signed=True) for k in H]
+    return [
+        row(7, "evict", 0, "req-a", [5, 6], [h[0], h[1]]),
+        row(7, "alloc", 0, "req-a", [5, 6, 9]),
+        row(8, "touch", 0, "req-b", [3, 4]),
+        row(8, "cache", 1, "req-b", [3, 8], [h[2], h[3]]),
+        row(8, "free", 0, "held-by-ctx", [9, 6]),
+        row(8, "evict", 0, None, [11], [int.from_bytes(b"\xff\x01", "little", signed=True)]),
+        row(8, "evict", 0, None, [12], [hash((1, 2, 3))]),
+        row(8, "free", 0, "caf\u00e9-\u00fc", [1]),
+        row(8, "alloc", 0, "req-c", [14]),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_block_log_rows(kind):
+    if kind == "native" and columns._columns is None:
+        pytest.skip(f"native logs not built: {columns.NATIVE_MISSING}")
+    log = columns.BlockLog() if kind == "python" else columns.NativeBlockLog(ctx, columns.caller_request_id)
+    returned = block_script(log)
+    assert returned == [False] * len(returned)  # nothing due: few rows, well within 250 ms
+    assert log.rows == 9
+    rows = table(log.take(), "block_events").to_pylist()
+    assert [{k: v for k, v in r.items() if k != "ts_ns"} for r in rows] == expected_block_rows()
+    ts = [r["ts_ns"] for r in rows]
+    assert ts == sorted(ts) and ts[0] == ts[1]  # an allocation's evictions share its time
+    assert log.rows == 0 and log.take() is None
+
+
+@native_only
+def test_block_log_native_and_python_agree_on_time_and_size_limits():
+    for cls in (columns.BlockLog, columns.NativeBlockLog):
+        log = cls(ctx, columns.caller_request_id, flush_rows=3)
+        ctx.step = 1
+        assert [manager("r", log.touch, POOL, [Block(i)]) for i in range(1, 5)] == [False, False, True, True]
+        log.take()
+        log = cls(ctx, columns.caller_request_id, flush_ns=0)  # everything is due at once
+        assert manager("r", log.touch, POOL, [Block(1)]) is True
+
+
+@native_only
+def test_block_log_errors_leave_whole_rows():
+    log = columns.NativeBlockLog(ctx, columns.caller_request_id)
+    ctx.step = 3
+    manager("r", log.touch, POOL, [Block(1)])
+    with pytest.raises(AttributeError):
+        manager("r", log.touch, POOL, [Block(2), object()])  # a block without an id
+    with pytest.raises(AttributeError):
+        log.cache(Request("r"), [Block(2, H[0]), object()], 0, 2, 0)
+    with pytest.raises(TypeError):
+        wrapper(log.evict, 5, [])  # an unhashable key
+    rows = table(log.take(), "block_events").to_pylist()
+    assert [(r["event"], r["block_ids"]) for r in rows] == [("touch", [1])]
+
+
+def test_caller_request_id_reads_arguments_only():
+    # Frames seen by the Python one: 0 itself, 1 wrapper, 2 the function that called wrapper.
+    def direct(request_id):
+        return wrapper(columns.caller_request_id, 2)
+
+    def cell(request_id):
+        def inner():
+            return request_id
+        return wrapper(columns.caller_request_id, 2)
+
+    assert direct("r1") == "r1" and cell("r2") == "r2"
+    assert no_request(columns.caller_request_id, 2) is None
+    if columns._columns is not None:
+        fn = columns._columns.caller_request_id
+        assert manager("r3", fn) == "r3"
+        assert manager_of_request(Request("r4"), fn) == "r4"
+        assert no_request(fn) is None
+        assert manager(42, fn) is None  # not a str: not a request id
+
+        def deep(request_id):
+            return a()
+
+        def a():
+            return b()
+
+        def b():
+            return c()
+
+        def c():
+            return wrapper(fn)
+
+        assert deep("r5") is None  # beyond `up` (3) frames
+        assert manager("r6", lambda: fn(2, 1)) == "r6"  # skip the lambda and wrapper, look at one frame
+        assert manager("r7", lambda: fn(1, 1)) is None  # only wrapper, which names no request
+
+
+# ---- decode rows -----------------------------------------------------------------------------------
+def decode_script(log) -> list:
+    ids = ["a", "b", "c", "d"]
+    got = [log.add(5, ids, [10, 20, 30, 40], [None, ([7, 8],), None, ([],)], None, None)]
+    got.append(log.add(6, ids, [11, 21, 31, 41], [None, None, ([9],), None], [0, 2], None))
+    got.append(log.add(7, ["b", "d"], [22, 42], [None, None], None, {"b": 1, "d": 3}))
+    got.append(log.add(8, [], [], [], None, None))
+    return got
+
+
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_decode_log_rows(kind):
+    if kind == "native" and columns._columns is None:
+        pytest.skip(f"native logs not built: {columns.NATIVE_MISSING}")
+    log = columns.DecodeLog() if kind == "python" else columns.NativeDecodeLog()
+    assert decode_script(log) == [False] * 4
+    assert log.rows == 8
+    rows = table(log.take(), "step_requests").to_pylist()
+    assert [(r["step"], r["request_id"], r["tokens"], r["computed_before"], r["new_blocks"]) for r in rows] == [
+        (5, "a", 1, 10, 0), (5, "b", 1, 20, 2), (5, "c", 1, 30, 0), (5, "d", 1, 40, 0),
+        (6, "b", 1, 21, 0), (6, "d", 1, 41, 0),
+        (7, "b", 1, 22, 0), (7, "d", 3, 42, 0),
+    ]
+    assert {(r["phase"], r["chunk_index"], r["kind"]) for r in rows} == {("decode", -1, "running")}
+    assert log.take() is None
+
+
+@native_only
+def test_decode_log_errors_leave_whole_rows():
+    log = columns.NativeDecodeLog()
+    log.add(1, ["a", "b"], [1, 2], [None, None], None, None)
+    with pytest.raises(ValueError):
+        log.add(2, ["a"], [1, 2], [None], None, None)
+    with pytest.raises(TypeError):
+        log.add(2, ["a", "b", "c"], [1, 2, "x"], [None] * 3, None, None)  # fails at its third row
+    with pytest.raises(KeyError):
+        log.add(2, ["a", "b"], [1, 2], [None] * 2, None, {"a": 1})
+    assert log.rows == 2
+    log.add(3, ["c"], [5], [None], None, None)
+    rows = table(log.take(), "step_requests").to_pylist()
+    assert [(r["step"], r["request_id"], r["computed_before"]) for r in rows] == [(1, "a", 1), (1, "b", 2), (3, "c", 5)]
+
+
+# ---- a real driven scheduler: the same tables with either log ---------------------------------------
+@pytest.mark.vllm
+@native_only
+def test_native_and_python_logs_record_the_same_run(tmp_path, monkeypatch):
+    """bench_host_probes' workload (shared prefixes, preemptions), smaller: every row of block_events
+    and step_requests equal between the two, timestamps aside."""
+    from kvtrace.model import ensure_tiny_model
+    from tests.driven_scheduler import DrivenConfig, read_rows, record_driven, shared_prefix_prompts
+
+    model = str(ensure_tiny_model())
+    cfg = DrivenConfig(num_blocks=64, max_num_seqs=32, max_num_batched_tokens=512)
+    prompts = shared_prefix_prompts(48, 4, 256, 40)
+
+    def scenario(d):
+        for i, p in enumerate(prompts):
+            d.add(f"r{i}", p, 64)  # 296 prompt tokens fill 10 blocks; decoding needs 2 more each
+        return d.run()
+
+    results = {}
+    for kind in ("native", "python"):
+        make = {"native": (columns.block_log, columns.decode_log),
+                "python": (columns.BlockLog, columns.DecodeLog)}[kind]
+        monkeypatch.setattr("kvtrace.probes.kv_blocks.block_log", make[0])
+        monkeypatch.setattr("kvtrace.probes.scheduler.decode_log", make[1])
+        session = tmp_path / kind
+        steps = record_driven(session, model, cfg, scenario)
+        results[kind] = {t: [{k: v for k, v in r.items() if k != "ts_ns"} for r in read_rows(session, t)]
+                         for t in ("block_events", "step_requests", "preemptions")}
+        results[kind]["steps_run"] = steps
+    native, python = results["native"], results["python"]
+    assert len(native["preemptions"]) > 0  # the workload preempts
+    assert {r["event"] for r in native["block_events"]} >= {"alloc", "free", "touch", "cache", "evict"}
+    for t in ("block_events", "step_requests"):
+        assert len(native[t]) == len(python[t]) > 0
+        assert native[t] == python[t], t
+
+
+# ---- the recorder's row logs: the same batches as the tuples' conversion ---------------------------
+def _value_strategy(t: pa.DataType):
+    from hypothesis import strategies as st
+
+    if pa.types.is_string(t):
+        return st.one_of(st.none(), st.text(max_size=12))
+    if pa.types.is_list(t):
+        return st.one_of(st.none(), st.lists(_value_strategy(t.value_type).filter(lambda v: v is not None),
+                                             max_size=5))
+    bits = t.bit_width
+    return st.one_of(st.none(), st.integers(-(1 << (bits - 1)), (1 << (bits - 1)) - 1))
+
+
+@native_only
+@pytest.mark.parametrize("table", [t for t in __import__("kvtrace.schema", fromlist=["TABLES"]).TABLES if t != "drops"])
+def test_row_log_batches_equal_the_tuples_conversion(table):
+    """For every table: any rows that fit its schema (nulls, empty and non-ASCII text, lists, each
+    integer width's limits) give the batch `rows_to_batch` makes of the same tuples."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvtrace import schema
+    from kvtrace.recorder import rows_to_batch
+
+    row = st.tuples(*(_value_strategy(c.type) for c in schema.TABLES[table]))
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(row, min_size=1, max_size=20))
+    def check(rows):
+        log = columns.row_log(table, 1 << 20)
+        for r in rows:
+            log.append(r)
+        assert len(log) == len(rows)
+        batch, bad, over = log.take()
+        assert (bad, over) == (0, 0)
+        assert batch.equals(rows_to_batch(table, rows))
+        assert len(log) == 0 and log.take() == (None, 0, 0)
+
+    check()
+
+
+@native_only
+def test_row_log_counts_rows_that_do_not_fit_and_keeps_the_others_whole():
+    from kvtrace.recorder import rows_to_batch
+
+    log = columns.row_log("request_events", max_rows=5)
+    good = [(1, 2, "r1", "queued", 16, None), (3, 4, None, "arrival", -5, "x")]
+    log.append(good[0])
+    log.append((1, 2, "r", "queued"))  # too short
+    log.append((1, 2, "r", "queued", 2**70, None))  # out of int64's range, at the 5th column
+    log.append((1, 2, "r", "queued", 16, 7))  # not a str, in the last column
+    log.append(["not", "a", "tuple", 1, 2, 3])
+    log.extend([good[1]])
+    batch, bad, over = log.take()
+    assert (bad, over) == (4, 0)
+    assert batch.equals(rows_to_batch("request_events", good))  # no partial row left behind
+    for i in range(7):
+        log.append((i, i, "r", "e", i, None))
+    batch, bad, over = log.take()
+    assert (batch.num_rows, bad, over) == (5, 0, 2)  # past max_rows: counted, not stored
+    lists = columns.row_log("prefix_lookups", 10)
+    lists.append((1, 1, "r", 1, 1, 1, 1, 1, [1, "x"], None, 0))  # a bad list item
+    lists.append((1, 1, "r", 1, 1, 1, 1, 1, [H[0], 5], None, 0))  # a block hash stands for its hash64
+    batch, bad, _ = lists.take()
+    assert bad == 1 and batch.column("missed_hashes").to_pylist() == [[columns.hash64(H[0]), 5]]
+
+
+def test_recorder_counts_a_bad_row_as_dropped(tmp_path, capsys):
+    """A probe's row that does not fit its table (a kvtrace bug) is dropped and counted, with or
+    without the native logs, and the rest of the table is written."""
+    from kvtrace.recorder import Recorder
+
+    rec = Recorder(tmp_path, "engine", {"flush_interval_s": 3600})
+    try:
+        events = rec.buffer("request_events")
+        events.append((1, 2, "r1", "queued", 16, None))
+        events.append((1, 2, "r1", "queued", "sixteen", None))
+        rec.flush()
+        assert rec.rows_written["request_events"] == (1 if columns.native() else 0)
+        assert rec.dropped["request_events"]["bad-row"] == (1 if columns.native() else 2)
+    finally:
+        rec.close()
+    assert "do not fit the schema" in capsys.readouterr().err
