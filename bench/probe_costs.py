@@ -56,7 +56,6 @@ def wrap_handlers() -> None:
     for cls, names in methods.items():
         for name in names:
             setattr(cls, name, _timed(f"{cls.__name__}.{name}", getattr(cls, name)))
-    kv_blocks.hashes64 = _timed("hashes64", kv_blocks.hashes64)
 
 
 def main(argv: list[str] | None = None) -> int:

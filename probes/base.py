@@ -153,3 +153,73 @@ class Probe:
         """Test hook: KVTRACE_OPTIONS {"inject_fault": "<probe name>"} makes this probe raise once."""
         if self.options.get("inject_fault") == self.name:
             raise RuntimeError(f"injected fault in probe {self.name}")
+
+
+# ---- wrappers that keep vLLM's calls fast -----------------------------------------------------------
+def exact_wrapper(orig: Any, body: str, env: dict) -> Any:
+    """A wrapper of `orig` with orig's own parameter list instead of `*args, **kwargs`.
+
+    CPython (3.11+) specialises calls of plain Python functions with fixed parameters: vLLM's call into
+    the wrapper and the wrapper's call of the original stay "inlined" Python calls. A `*args, **kwargs`
+    wrapper makes both generic (argument tuple and dict, C-level recursion): measured with callgrind,
+    ~7,000 instructions per call against ~1,000, for block-pool methods called thousands of times a
+    second. `body` is the wrapper's code (it may name orig's parameters, which `targets()` checks);
+    `{call}` in it becomes the call of the original forwarding every parameter as declared (keyword-only
+    ones by name, `*args` / `**kwargs` when orig has them), `{self}` the first parameter's name.
+    """
+    import inspect
+
+    sig = inspect.signature(orig)
+    params: list[str] = []
+    call: list[str] = []
+    ns = dict(env)
+    ns["__orig"] = orig
+    star = False
+    for i, p in enumerate(sig.parameters.values()):
+        text = p.name
+        if p.default is not inspect.Parameter.empty:
+            ns[f"__d{i}"] = p.default
+            text += f"=__d{i}"
+        if p.kind is p.VAR_POSITIONAL:
+            params.append(f"*{p.name}")
+            call.append(f"*{p.name}")
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            params.append(f"**{p.name}")
+            call.append(f"**{p.name}")
+        elif p.kind is p.KEYWORD_ONLY:
+            if not star:
+                params.append("*")
+                star = True
+            params.append(text)
+            call.append(f"{p.name}={p.name}")
+        else:
+            params.append(text)
+            call.append(p.name)
+    first = next(iter(sig.parameters), "self")
+    src = f"def wrapper({', '.join(params)}):" + body.replace("{call}", f"__orig({', '.join(call)})").replace(
+        "{self}", first)
+    exec(compile(src, f"<kvtrace wrapper of {getattr(orig, '__qualname__', orig)}>", "exec"), ns)
+    wrapper = ns["wrapper"]
+    wrapper.__name__ = getattr(orig, "__name__", "wrapper")
+    wrapper.__qualname__ = getattr(orig, "__qualname__", wrapper.__name__)
+    return wrapper
+
+
+def patch_exact(probe: Probe, owner: Any, bodies: dict[str, str], env: dict) -> None:
+    """Patch each `owner.NAME` for `probe` with `exact_wrapper(original, bodies[NAME], env)`."""
+    for name, body in bodies.items():
+        probe.patch(owner, name, lambda orig, body=body: exact_wrapper(orig, body, env))
+
+
+def after_call(handler: str, condition: str = "") -> str:
+    """The `exact_wrapper` body of a wrapper that calls the original, then (while the probe is on and
+    `condition` holds) the handler call `handler`, whose errors switch the probe off, never vLLM."""
+    return f"""
+    result = {{call}}
+    if probe.enabled{condition}:
+        try:
+            {handler}
+        except Exception as exc:
+            probe.fail(exc)
+    return result"""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvtrace.probes.base import Probe
+from kvtrace.probes.base import Probe, after_call, patch_exact
 from kvtrace.probes.columns import NATIVE_MISSING, block_log, hashes64, native
 from kvtrace.probes.context import ctx
 
@@ -36,75 +36,6 @@ _now = time.monotonic_ns
 POOL = "vllm.v1.core.block_pool"
 KVM = "vllm.v1.core.kv_cache_manager"
 STM = "vllm.v1.core.single_type_kv_cache_manager"
-
-
-def exact_wrapper(orig: Any, body: str, env: dict) -> Any:
-    """A wrapper of `orig` with orig's own parameter list instead of `*args, **kwargs`.
-
-    CPython (3.11+) specialises calls of plain Python functions with fixed parameters: vLLM's call into
-    the wrapper and the wrapper's call of the original stay "inlined" Python calls. A `*args, **kwargs`
-    wrapper makes both generic (argument tuple and dict, C-level recursion): measured with callgrind,
-    ~7,000 instructions per call against ~1,000, for block-pool methods called thousands of times a
-    second. `body` is the wrapper's code (it may name orig's parameters, which `targets()` checks);
-    `{call}` in it becomes the call of the original forwarding every parameter as declared (keyword-only
-    ones by name, `*args` / `**kwargs` when orig has them), `{self}` the first parameter's name.
-    """
-    import inspect
-
-    sig = inspect.signature(orig)
-    params: list[str] = []
-    call: list[str] = []
-    ns = dict(env)
-    ns["__orig"] = orig
-    star = False
-    for i, p in enumerate(sig.parameters.values()):
-        text = p.name
-        if p.default is not inspect.Parameter.empty:
-            ns[f"__d{i}"] = p.default
-            text += f"=__d{i}"
-        if p.kind is p.VAR_POSITIONAL:
-            params.append(f"*{p.name}")
-            call.append(f"*{p.name}")
-            star = True
-        elif p.kind is p.VAR_KEYWORD:
-            params.append(f"**{p.name}")
-            call.append(f"**{p.name}")
-        elif p.kind is p.KEYWORD_ONLY:
-            if not star:
-                params.append("*")
-                star = True
-            params.append(text)
-            call.append(f"{p.name}={p.name}")
-        else:
-            params.append(text)
-            call.append(p.name)
-    first = next(iter(sig.parameters), "self")
-    src = f"def wrapper({', '.join(params)}):" + body.replace("{call}", f"__orig({', '.join(call)})").replace(
-        "{self}", first)
-    exec(compile(src, f"<kvtrace wrapper of {getattr(orig, '__qualname__', orig)}>", "exec"), ns)
-    wrapper = ns["wrapper"]
-    wrapper.__name__ = getattr(orig, "__name__", "wrapper")
-    wrapper.__qualname__ = getattr(orig, "__qualname__", wrapper.__name__)
-    return wrapper
-
-
-def patch_exact(probe: Probe, owner: Any, bodies: dict[str, str], env: dict) -> None:
-    """Patch each `owner.NAME` for `probe` with `exact_wrapper(original, bodies[NAME], env)`."""
-    for name, body in bodies.items():
-        probe.patch(owner, name, lambda orig, body=body: exact_wrapper(orig, body, env))
-
-
-def after_call(handler: str, condition: str = "") -> str:
-    """The `exact_wrapper` body of a wrapper that calls the original, then (while the probe is on and
-    `condition` holds) the handler call `handler`, whose errors switch the probe off, never vLLM."""
-    return f"""
-    result = {{call}}
-    if probe.enabled{condition}:
-        try:
-            {handler}
-        except Exception as exc:
-            probe.fail(exc)
-    return result"""
 
 
 class BlockPoolProbe(Probe):
@@ -214,15 +145,33 @@ class PrefixCacheProbe(Probe):
         external: dict[str, int] = {}  # request -> tokens a connector matched (set by the connector probe)
         self.external_matches = external
 
+        # A RowLog takes vLLM's block hashes as they are (each stored as its first 8 bytes); a list
+        # of tuples needs them converted here.
+        raw_hashes = not isinstance(out, list)
+        inject = self.options.get("inject_fault") == self.name
+
         def on_lookup(request: Any, result: Any) -> None:
             blocks = result[0]
-            groups = blocks.blocks if hasattr(blocks, "blocks") else blocks
+            groups = getattr(blocks, "blocks", blocks)
             last_lookup[request.request_id] = (_now(), len(groups[0]) if groups else 0)
 
         def on_counted(kvm: Any, request: Any, num_hits: int) -> None:
-            if kvm.prefix_cache_lookup_enabled(request):
+            if not kvm.prefix_cache_lookup_enabled(request):
+                return  # vLLM did not count it either
+            if inject:
                 probe.maybe_inject_fault()
-                probe.on_counted_lookup(kvm, request, num_hits, last_lookup, external, out)
+            rid = request.request_id
+            seen = last_lookup.pop(rid, None)
+            ts, hit_blocks = seen if seen is not None else (_now(), 0)
+            # Hashes cover hash_block_size tokens each (the group block size on single-group models).
+            hash_block = getattr(kvm.block_pool, "hash_block_size", 0) or 1
+            hashes = request.block_hashes
+            full = len(hashes)
+            query = request.num_tokens
+            missed = hashes[num_hits // hash_block:]
+            out.append((ts, ctx.step, rid, query, num_hits, hit_blocks, full, query - full * hash_block,
+                        missed if raw_hashes else list(hashes64(missed)), external.pop(rid, None),
+                        1 if request.num_preemptions > 0 else 0))
 
         env = {"probe": probe, "on_lookup": on_lookup, "on_counted": on_counted}
         bodies = {
@@ -230,18 +179,3 @@ class PrefixCacheProbe(Probe):
             "record_prefix_cache_stats": after_call("on_counted({self}, request, num_hits)"),
         }
         patch_exact(self, KVCacheManager, bodies, env)
-
-    @staticmethod
-    def on_counted_lookup(kvm, request, num_hits, last_lookup, external, out) -> None:
-        rid = request.request_id
-        ts, hit_blocks = last_lookup.pop(rid, (_now(), 0))
-        # Hashes cover hash_block_size tokens each (the group block size on single-group models).
-        hash_block = getattr(kvm.block_pool, "hash_block_size", 0) or 1
-        hashes = request.block_hashes
-        full = len(hashes)
-        query = request.num_tokens
-        tail = query - full * hash_block
-        missed = list(hashes64(hashes[num_hits // hash_block:]))
-        ext = external.pop(rid, None)
-        out.append((ts, ctx.step, rid, query, num_hits, hit_blocks, full, tail, missed, ext,
-                    1 if request.num_preemptions > 0 else 0))

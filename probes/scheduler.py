@@ -26,9 +26,10 @@ instance's `__dict__` materialises it and slows every attribute access on the ob
 from __future__ import annotations
 
 import time
+from types import MethodType
 from typing import Any
 
-from kvtrace.probes.base import Probe
+from kvtrace.probes.base import Probe, after_call, exact_wrapper, patch_exact
 from kvtrace.probes.columns import decode_log, positions
 from kvtrace.probes.context import ctx
 
@@ -88,125 +89,8 @@ class SchedulerProbe(Probe):
         if _nvtx is not None:
             _nvtx.configure(enabled=bool(self.options.get("nvtx", True)),
                             layers=bool(self.options.get("nvtx_layers", False)))
+        self.nvtx_on = _nvtx is not None and _nvtx.enabled()
         probe = self
-
-        def schedule(orig):
-            def wrapper(sched, *args, **kwargs):
-                if not probe.enabled:
-                    return orig(sched, *args, **kwargs)
-                t0 = _now()
-                probe.kv_short = probe.blocked = False
-                probe.preempted_this_step = 0
-                ctx.step = sched.current_step + 1  # schedule() increments it first thing
-                try:
-                    probe.nvtx_open(ctx.step, "schedule")
-                except Exception as exc:
-                    probe.fail(exc)
-                try:
-                    out = orig(sched, *args, **kwargs)
-                finally:
-                    if probe.armed is not None:
-                        try:
-                            probe.disarm_admission()
-                        except Exception as exc:  # never into vLLM
-                            probe.fail(exc)
-                try:
-                    probe.nvtx_close(keep_step=True)
-                    probe.on_schedule(sched, out, t0)
-                except Exception as exc:
-                    probe.fail(exc)
-                return out
-            return wrapper
-
-        def update_from_output(orig):
-            def wrapper(sched, scheduler_output, model_runner_output, *args, **kwargs):
-                if not probe.enabled:
-                    return orig(sched, scheduler_output, model_runner_output, *args, **kwargs)
-                step = getattr(scheduler_output, "_kvtrace_step", ctx.step)
-                ctx.step = step
-                try:
-                    probe.nvtx_open(None, "update")
-                except Exception as exc:
-                    probe.fail(exc)
-                probe.finished_in_update = 0
-                result = orig(sched, scheduler_output, model_runner_output, *args, **kwargs)
-                try:
-                    probe.nvtx_close(keep_step=False)
-                    probe.on_update(step, result)
-                    if not sched.has_requests():
-                        # The engine goes idle (it blocks on its input queue next): rows held as
-                        # columns would otherwise wait there for the next request, or be lost to a kill.
-                        from kvtrace.probes.plugin import take_pending
-
-                        take_pending()
-                except Exception as exc:
-                    probe.fail(exc)
-                return result
-            return wrapper
-
-        def add_request(orig):
-            def wrapper(sched, request, *args, **kwargs):
-                if probe.enabled:
-                    try:
-                        probe.on_add_request(sched, request)
-                    except Exception as exc:
-                        probe.fail(exc)
-                return orig(sched, request, *args, **kwargs)
-            return wrapper
-
-        def preempt(orig):
-            def wrapper(sched, request, *args, **kwargs):
-                if not probe.enabled:
-                    return orig(sched, request, *args, **kwargs)
-                before = None
-                try:
-                    before = (request.num_computed_tokens, _num_blocks(sched, request.request_id))
-                except Exception as exc:
-                    probe.fail(exc)
-                result = orig(sched, request, *args, **kwargs)
-                if before is not None and probe.enabled:
-                    try:
-                        probe.on_preempt(request, *before)
-                    except Exception as exc:
-                        probe.fail(exc)
-                return result
-            return wrapper
-
-        def free_request(orig):
-            def wrapper(sched, request, *args, **kwargs):
-                result = orig(sched, request, *args, **kwargs)
-                if probe.enabled:
-                    try:
-                        probe.on_finished(sched, request)
-                    except Exception as exc:
-                        probe.fail(exc)
-                return result
-            return wrapper
-
-        def free_blocks(orig):
-            def wrapper(sched, request, *args, **kwargs):
-                if probe.enabled and request.request_id in probe.held:
-                    try:
-                        probe.on_release(sched, request)
-                    except Exception as exc:
-                        probe.fail(exc)
-                return orig(sched, request, *args, **kwargs)
-            return wrapper
-
-        def handle_blocked(orig):
-            # vLLM calls this first for every waiting request it considers admitting, before that
-            # request's allocate_slots: from here until schedule() returns, watch allocate_slots.
-            def wrapper(sched, request, *args, **kwargs):
-                ready = orig(sched, request, *args, **kwargs)
-                if not ready:
-                    probe.blocked = True
-                elif probe.armed is None and probe.enabled:
-                    try:
-                        probe.arm_admission(sched.kv_cache_manager)
-                    except Exception as exc:
-                        probe.fail(exc)
-                return ready
-            return wrapper
 
         def shutdown(orig):
             # Scheduling is over when EngineCore shuts down, but the front end's process manager
@@ -222,16 +106,123 @@ class SchedulerProbe(Probe):
                 return orig(core, *args, **kwargs)
             return wrapper
 
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.engine.core import EngineCore
 
         self.patch(EngineCore, "shutdown", shutdown)
-        self.patch(Scheduler, "schedule", schedule)
-        self.patch(Scheduler, "update_from_output", update_from_output)
-        self.patch(Scheduler, "add_request", add_request)
-        self.patch(Scheduler, "_preempt_request", preempt)
-        self.patch(Scheduler, "_free_request", free_request)
-        self.patch(Scheduler, "_free_blocks", free_blocks)
-        self.patch(Scheduler, "_handle_blocked_waiting_request", handle_blocked)
+        # The kv-insuf watch's allocate_slots (arm_admission), made once: its parameters are vLLM's.
+        self.alloc_plain = KVCacheManager.allocate_slots
+        self.alloc_watch = exact_wrapper(self.alloc_plain, """
+    blocks = {call}
+    # None for a request that is not running = admission stopped for lack of KV blocks.
+    if blocks is None and request.status.name != "RUNNING":
+        probe.kv_short = True
+    return blocks""", {"probe": self})
+        self.alloc_watch.__kvtrace_probe__ = self.name
+        # The wrappers run once per step (schedule, update_from_output) or per request (the rest). As
+        # `exact_wrapper`s, vLLM's calls through them stay specialised Python calls (a `*args, **kwargs`
+        # wrapper costs an argument tuple, a dict and a C-level call each time). Each body names
+        # vLLM's own parameters (checked by `targets()`); `{call}` calls the original.
+        env = {"probe": self, "ctx": ctx, "_now": _now, "num_blocks": _num_blocks}
+        patch_exact(self, Scheduler, {
+            "schedule": """
+    if not probe.enabled:
+        return {call}
+    t0 = _now()
+    probe.kv_short = probe.blocked = False
+    probe.preempted_this_step = 0
+    ctx.step = {self}.current_step + 1  # schedule() increments it first thing
+    if probe.nvtx_on:
+        try:
+            probe.nvtx_open(ctx.step, "schedule")
+        except Exception as exc:
+            probe.fail(exc)
+    try:
+        out = {call}
+    finally:
+        if probe.armed is not None:
+            try:
+                probe.disarm_admission()
+            except Exception as exc:  # never into vLLM
+                probe.fail(exc)
+    try:
+        if probe.nvtx_on:
+            probe.nvtx_close(keep_step=True)
+        probe.on_schedule({self}, out, t0)
+    except Exception as exc:
+        probe.fail(exc)
+    return out""",
+            "update_from_output": """
+    if not probe.enabled:
+        return {call}
+    step = getattr(scheduler_output, "_kvtrace_step", ctx.step)
+    ctx.step = step
+    if probe.nvtx_on:
+        try:
+            probe.nvtx_open(None, "update")
+        except Exception as exc:
+            probe.fail(exc)
+    probe.finished_in_update = 0
+    result = {call}
+    try:
+        probe.after_update({self}, step, result)
+    except Exception as exc:
+        probe.fail(exc)
+    return result""",
+            "add_request": """
+    if probe.enabled:
+        try:
+            probe.on_add_request({self}, request)
+        except Exception as exc:
+            probe.fail(exc)
+    return {call}""",
+            "_preempt_request": """
+    if not probe.enabled:
+        return {call}
+    before = None
+    try:
+        before = (request.num_computed_tokens, num_blocks({self}, request.request_id))
+    except Exception as exc:
+        probe.fail(exc)
+    result = {call}
+    if before is not None and probe.enabled:
+        try:
+            probe.on_preempt(request, *before)
+        except Exception as exc:
+            probe.fail(exc)
+    return result""",
+            "_free_request": after_call("probe.on_finished({self}, request)"),
+            "_free_blocks": """
+    if probe.enabled and request.request_id in probe.held:
+        try:
+            probe.on_release({self}, request)
+        except Exception as exc:
+            probe.fail(exc)
+    return {call}""",
+            # vLLM calls this first for every waiting request it considers admitting, before that
+            # request's allocate_slots: from here until schedule() returns, watch allocate_slots.
+            "_handle_blocked_waiting_request": """
+    ready = {call}
+    if not ready:
+        probe.blocked = True
+    elif probe.armed is None and probe.enabled:
+        try:
+            probe.arm_admission({self}.kv_cache_manager)
+        except Exception as exc:
+            probe.fail(exc)
+    return ready""",
+        }, env)
+
+    def after_update(self, sched: Any, step: int, result: Any) -> None:
+        if self.nvtx_on:
+            self.nvtx_close(keep_step=False)
+        self.on_update(step, result)
+        if not sched.has_requests():
+            # The engine goes idle (it blocks on its input queue next): rows held as columns would
+            # otherwise wait there for the next request, or be lost to a kill.
+            from kvtrace.probes.plugin import take_pending
+
+            take_pending()
 
     # ---- kv-insuf: allocate_slots seen only while the waiting queue is admitted ---------------
     def arm_admission(self, kvm: Any) -> None:
@@ -239,17 +230,10 @@ class SchedulerProbe(Probe):
         plain = kvm.allocate_slots
         if getattr(plain, "__self__", None) is not kvm:  # someone else shadows it already: leave it
             return
-        probe = self
-
-        def allocate_slots(request, num_new_tokens, *args, **kwargs):
-            blocks = plain(request, num_new_tokens, *args, **kwargs)
-            # None for a request that is not running = admission stopped for lack of KV blocks.
-            if blocks is None and request.status.name != "RUNNING":
-                probe.kv_short = True
-            return blocks
-
-        allocate_slots.__kvtrace_probe__ = self.name
-        kvm.allocate_slots = allocate_slots  # setattr, never kvm.__dict__ (see the module docstring)
+        if getattr(plain, "__func__", None) is not self.alloc_plain:
+            return  # the class's method was replaced since install (another tool): leave it
+        # setattr, never kvm.__dict__ (see the module docstring); bound to kvm like the method it shadows
+        kvm.allocate_slots = MethodType(self.alloc_watch, kvm)
         self.armed = kvm
 
     def disarm_admission(self) -> None:
