@@ -11,22 +11,25 @@ Cost: a step schedules up to max_num_seqs requests, so nothing here may do Pytho
 request beyond its `step_requests` row. Decode rows (the common case) are not tuples: one call per step
 hands the SchedulerOutput's own lists to a `DecodeLog` (probes/columns.py, native in `_columns.c` where
 it builds), which keeps them as columns and hands them to the recorder as one RecordBatch every ~0.25 s:
-no object per row, no garbage collections they would trigger, no transposition by the writer. Only requests in a prefill (new,
-resumed, or whose prompt is still being chunked: `prefill_chunks`) take the per-request path. `update_from_output` looks only at
-the requests whose prefill completed in that step (first tokens), never at every output. And
+no object per row, no garbage collections they would trigger, no transposition by the writer. Only
+requests in a prefill (new, resumed, or whose prompt is still being chunked: `prefill_chunks`) take the
+per-request path. `update_from_output` looks only at the requests whose prefill completed in that step
+(first tokens), never at every output. The wrappers keep vLLM's parameter lists (`exact_wrapper`), so
+vLLM's calls through them stay specialised.
+
 `allocate_slots`, called once per running request per step, is not wrapped at class level (a wrapper
-there cost ~2.3% of a scheduling step): the kv-insuf check is an instance attribute `allocate_slots` on
-the KVCacheManager, set with setattr only while the waiting queue is admitted (armed from
-`_handle_blocked_waiting_request`, which vLLM calls first for every waiting request it considers) and
-deleted with delattr when schedule() returns (~0.3%). Never through `kvm.__dict__`: reading an
-instance's `__dict__` materialises it and slows every attribute access on the object afterwards
-(CPython 3.11 inline values; measured ~2% of a step). See bench/bench_host_probes.py.
+there cost ~2.3% of a scheduling step). For the kv-insuf check, the scheduler's `kv_cache_manager`
+attribute is a stand-in (`_AdmissionWatch`) only while the waiting queue is admitted: from
+`_handle_blocked_waiting_request`, which vLLM calls first for every waiting request it considers, until
+schedule() returns. Neither an instance attribute on the manager (it stops CPython specialising every
+`kvm.allocate_slots` lookup, see `_AdmissionWatch`) nor `kvm.__dict__` (reading an instance's `__dict__`
+materialises it and slows every attribute access on the object afterwards: CPython 3.11 inline values,
+measured ~2% of a step). See bench/bench_host_probes.py.
 """
 
 from __future__ import annotations
 
 import time
-from types import MethodType
 from typing import Any
 
 from kvtrace.probes.base import Probe, after_call, exact_wrapper, patch_exact
@@ -110,15 +113,17 @@ class SchedulerProbe(Probe):
         from vllm.v1.engine.core import EngineCore
 
         self.patch(EngineCore, "shutdown", shutdown)
-        # The kv-insuf watch's allocate_slots (arm_admission), made once: its parameters are vLLM's.
+        # The kv-insuf watch (arm_admission): a stand-in for the KVCacheManager whose allocate_slots
+        # notes a failed admission, made once with vLLM's own parameters, and forwards to the real one.
         self.alloc_plain = KVCacheManager.allocate_slots
-        self.alloc_watch = exact_wrapper(self.alloc_plain, """
+        watch_alloc = exact_wrapper(self.alloc_plain, """
+    self = self._kvm  # the watch stands in for the real manager: call vLLM's method on that
     blocks = {call}
     # None for a request that is not running = admission stopped for lack of KV blocks.
     if blocks is None and request.status.name != "RUNNING":
         probe.kv_short = True
     return blocks""", {"probe": self})
-        self.alloc_watch.__kvtrace_probe__ = self.name
+        self.watch = type("AdmissionWatch", (_AdmissionWatch,), {"allocate_slots": watch_alloc})()
         # The wrappers run once per step (schedule, update_from_output) or per request (the rest). As
         # `exact_wrapper`s, vLLM's calls through them stay specialised Python calls (a `*args, **kwargs`
         # wrapper costs an argument tuple, a dict and a C-level call each time). Each body names
@@ -207,7 +212,7 @@ class SchedulerProbe(Probe):
         probe.blocked = True
     elif probe.armed is None and probe.enabled:
         try:
-            probe.arm_admission({self}.kv_cache_manager)
+            probe.arm_admission({self})
         except Exception as exc:
             probe.fail(exc)
     return ready""",
@@ -225,21 +230,20 @@ class SchedulerProbe(Probe):
             take_pending()
 
     # ---- kv-insuf: allocate_slots seen only while the waiting queue is admitted ---------------
-    def arm_admission(self, kvm: Any) -> None:
-        """Give `kvm` an instance attribute `allocate_slots` that notes a failed admission."""
-        plain = kvm.allocate_slots
-        if getattr(plain, "__self__", None) is not kvm:  # someone else shadows it already: leave it
-            return
-        if getattr(plain, "__func__", None) is not self.alloc_plain:
-            return  # the class's method was replaced since install (another tool): leave it
-        # setattr, never kvm.__dict__ (see the module docstring); bound to kvm like the method it shadows
-        kvm.allocate_slots = MethodType(self.alloc_watch, kvm)
-        self.armed = kvm
+    def arm_admission(self, sched: Any) -> None:
+        """Let `sched.kv_cache_manager` be the watch until schedule() returns (disarm_admission)."""
+        kvm = sched.kv_cache_manager
+        if getattr(kvm.allocate_slots, "__func__", None) is not self.alloc_plain:
+            return  # an instance's own allocate_slots, or a manager class with its own: leave it
+        object.__setattr__(self.watch, "_kvm", kvm)
+        sched.kv_cache_manager = self.watch
+        self.armed = sched
 
     def disarm_admission(self) -> None:
-        kvm, self.armed = self.armed, None
-        if getattr(kvm.allocate_slots, "__kvtrace_probe__", None) == self.name:
-            del kvm.allocate_slots
+        sched, self.armed = self.armed, None
+        if sched.kv_cache_manager is self.watch:
+            sched.kv_cache_manager = self.watch._kvm
+        object.__setattr__(self.watch, "_kvm", None)
 
     def uninstall(self) -> None:
         if getattr(self, "armed", None) is not None:
@@ -486,6 +490,29 @@ class SchedulerProbe(Probe):
         self.pending_steps.clear()
         self.first_token_due.clear()
         self.take()
+
+
+class _AdmissionWatch:
+    """Stands in for the scheduler's KVCacheManager while vLLM admits its waiting queue (from the first
+    waiting request it considers until schedule() returns): the probe's `allocate_slots` (set on a
+    subclass made at install) notes an admission that failed for lack of KV blocks; every other
+    attribute is the real manager's.
+
+    Why a stand-in and not an instance attribute `allocate_slots` on the manager: once that name has been
+    an instance attribute, CPython 3.11 no longer specialises `kvm.allocate_slots` lookups anywhere (an
+    instance might shadow the method), and vLLM looks it up once per running request per step, through a
+    generic path that is cold in the caches (~50 k lookups a round in bench_host_probes; callgrind's
+    cache simulation counted +0.16 M instruction-cache and +0.5 M data-cache misses). Swapping the
+    scheduler's own `kv_cache_manager` attribute changes no object's set of attribute names.
+    """
+
+    __slots__ = ("_kvm",)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kvm, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._kvm, name, value)
 
 
 _REASON_NAMES: dict = {}  # vLLM FinishReason -> our name ("stop", "length", ...), made once per reason
