@@ -125,7 +125,7 @@ def measure(args: argparse.Namespace, verbose: bool = True) -> dict:
     cfg = DrivenConfig(num_blocks=args.num_blocks, max_num_seqs=args.concurrency, max_num_batched_tokens=2048)
     prompts = shared_prefix_prompts(args.requests, 8, args.prefix_tokens, args.suffix_tokens)
     tmp = tempfile.TemporaryDirectory(prefix="kvtrace-bench-host-")
-    rec = Recorder(Path(tmp.name) / "session", "engine", {})
+    rec = Recorder(Path(tmp.name) / "session", "engine", {"flush_interval_s": args.flush_interval})
     results: dict[str, list[Counters]] = {"off": [], "on": []}
     expected = Counters()
     for i, mode in enumerate(["off", "on"] * (args.rounds + 1)):
@@ -189,8 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
     ap.add_argument("--num-blocks", type=int, default=900, help="KV pool (blocks of 32 tokens)")
     ap.add_argument("--profile", choices=("on", "off"), help="cProfile one round in this mode, then stop")
+    ap.add_argument("--profile-dump", help="with --profile: also write the pstats file here")
+    ap.add_argument("--profile-only", default="",
+                    help="with --profile: list only functions whose file or name contains this (e.g. kvtrace)")
     ap.add_argument("--probes", default=",".join(HOST_PROBES),
                     help="which host probes the on-rounds install (comma-separated; to attribute the cost)")
+    ap.add_argument("--flush-interval", type=float, default=0.5,
+                    help="the recorder's writer flushes this often (s); a value longer than a round leaves all "
+                         "the writing to the round's final flush (to see what the writer thread costs the rest)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one process's rounds, as JSON
     args = ap.parse_args(argv)
 
@@ -209,7 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         runs = [measure(args)]
     else:
         runs = []
-        child_args = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--processes")]
+        given = list(argv if argv is not None else sys.argv[1:])
+        child_args = []  # the same arguments less --processes (as "--processes N" or "--processes=N")
+        while given:
+            a = given.pop(0)
+            if a == "--processes" and given:
+                given.pop(0)
+            elif not a.startswith("--processes="):
+                child_args.append(a)
         for k in range(args.processes):
             out = subprocess.run([sys.executable, __file__, *child_args, "--child"], capture_output=True,
                                  text=True, cwd=REPO)
@@ -276,7 +289,13 @@ def profile(args: argparse.Namespace) -> int:
         prof.disable()
         uninstall_probes(probes)
         rec.close()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    if args.profile_dump:
+        prof.dump_stats(args.profile_dump)
+    stats = pstats.Stats(prof).sort_stats("tottime")
+    if args.profile_only:
+        stats.sort_stats("ncalls").print_stats(args.profile_only, 40)
+    else:
+        stats.print_stats(30)
     return 0
 
 

@@ -441,7 +441,7 @@ class Recorder:
             **self.info,
         }
         try:
-            write_json_atomic(self.dir / PROC_FILE, doc)
+            write_json_atomic(self.dir / PROC_FILE, doc, indent=None)
         except OSError:
             pass  # the same disk trouble is already counted and warned about
 

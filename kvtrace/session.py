@@ -30,10 +30,14 @@ SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re
 ENV_PREFIXES = ("VLLM_", "KVTRACE_", "CUDA_", "OMP_", "HF_", "TORCH_", "NCCL_")
 
 
-def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
+def write_json_atomic(path: Path, doc: dict[str, Any], indent: int | None = 1) -> None:
+    """Write `doc` to `path` through a temporary file, so readers see the old or the new file whole.
+    `indent=None` for files rewritten often (proc.json, at every flush): only then does the json
+    module encode in C, in one string, where an indented dump runs its Python encoder."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    text = json.dumps(doc, indent=indent, sort_keys=True, default=str)
     with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=True, default=str)
+        f.write(text)
     os.replace(tmp, path)
 
 

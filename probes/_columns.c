@@ -30,6 +30,12 @@
 #elif PY_VERSION_HEX >= 0x030C0000
 #define KVT_FRAMES_PUBLIC 1
 #endif
+#if PY_VERSION_HEX >= 0x030C0000
+#define KVT_T_OBJECT_EX Py_T_OBJECT_EX
+#else
+#include <structmember.h>
+#define KVT_T_OBJECT_EX T_OBJECT_EX
+#endif
 #ifndef CO_FAST_CELL
 #define CO_FAST_CELL 0x40 /* pycore_code.h: a local that is also a cell */
 #endif
@@ -48,10 +54,12 @@ typedef struct {
     PyObject *ba;
     char *p;
     Py_ssize_t n, cap;
+    Py_ssize_t last; /* bytes at the last take: a new buffer starts that big (+1/8), so a steady log
+                        does not grow by doubling (a realloc and a copy each time) between takes */
 } Buf;
 
 static int buf_grow(Buf *b, Py_ssize_t extra) {
-    Py_ssize_t cap = b->cap ? b->cap : 256;
+    Py_ssize_t cap = b->cap ? b->cap : b->last + b->last / 8 > 256 ? b->last + b->last / 8 : 256;
     while (cap < b->n + extra)
         cap *= 2;
     if (b->ba == NULL) {
@@ -115,7 +123,9 @@ static PyObject *buf_take(Buf *b) {
         Py_DECREF(out);
         out = NULL;
     }
+    Py_ssize_t last = b->n;
     buf_free(b);
+    b->last = last;
     return out;
 }
 
@@ -193,6 +203,45 @@ static PyObject *str_take(StrCol *c) {
 /* ---- naming the request from the caller's frame -------------------------------------------- */
 
 static PyObject *s_request_id, *s_request, *s_step, *s_block_id, *s_block_hash, *s_null_block;
+
+/* ---- reading a __slots__ attribute directly ---------------------------------------------------- */
+
+/* Where an object of one exact type keeps a __slots__ attribute: the member descriptor's offset. A
+   read is then a load (PyObject_GetAttr goes through the type's method cache and the descriptor,
+   ~270 instructions, and a cache miss each time it is evicted between calls). Any other type, or an
+   empty slot, takes PyObject_GetAttr. Holds a reference to the type, so its address stays its own. */
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t offset;
+} SlotRef;
+
+static void slot_ref_init(SlotRef *r, PyObject *obj, PyObject *name) {
+    Py_CLEAR(r->type);
+    r->offset = -1;
+    PyObject *d = PyObject_GetAttr((PyObject *)Py_TYPE(obj), name); /* a member descriptor: itself */
+    if (d == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == KVT_T_OBJECT_EX && ((PyMemberDescrObject *)d)->d_common.d_type == Py_TYPE(obj)) {
+            r->type = (PyTypeObject *)Py_NewRef((PyObject *)Py_TYPE(obj));
+            r->offset = m->offset;
+        }
+    }
+    Py_DECREF(d);
+}
+
+/* New reference to obj.name (NULL with an exception set if it has none). */
+static inline PyObject *slot_get(SlotRef *r, PyObject *obj, PyObject *name) {
+    if (Py_TYPE(obj) == r->type) {
+        PyObject *v = *(PyObject **)((char *)obj + r->offset);
+        if (v != NULL)
+            return Py_NewRef(v);
+    }
+    return PyObject_GetAttr(obj, name);
+}
 
 /* Which argument of a code object names the request: the index of `request_id`, else of `request`,
    among its arguments (never other locals: see caller_request_id in columns.py). A small table keyed
@@ -350,6 +399,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *ctx;         /* kvtrace.probes.context.ctx: .step, .request_id (fallback attribution) */
     PyObject *fallback_fn; /* the Python caller_request_id, where frames cannot be read here */
+    PyObject *hash_attr;   /* the KVCacheBlock attribute that holds its hash (str) */
+    SlotRef ctx_step, ctx_request_id; /* ctx.step, ctx.request_id read directly (EngineContext slots) */
     int in_alloc;          /* inside get_new_blocks: evictions wait for the allocation's row */
     Buf pend_ids, pend_hashes;
     Py_ssize_t rows;
@@ -387,7 +438,7 @@ static int hash64(PyObject *key, int64_t *out) {
 }
 
 static int64_t ctx_step(BlockLog *self) {
-    PyObject *v = PyObject_GetAttr(self->ctx, s_step);
+    PyObject *v = slot_get(&self->ctx_step, self->ctx, s_step);
     if (v == NULL)
         return -1;
     int64_t step = PyLong_AsLongLong(v);
@@ -400,7 +451,7 @@ static PyObject *block_request(BlockLog *self) {
     PyObject *rid = frame_request_id(1, 3, self->fallback_fn);
     if (rid != NULL)
         return rid;
-    rid = PyObject_GetAttr(self->ctx, s_request_id);
+    rid = slot_get(&self->ctx_request_id, self->ctx, s_request_id);
     if (rid == NULL)
         PyErr_Clear();
     return rid ? rid : Py_NewRef(Py_None);
@@ -476,13 +527,17 @@ static PyObject *due(BlockLog *self, int64_t t) {
 }
 
 static int BlockLog_init(BlockLog *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"ctx", "fallback", "flush_rows", "flush_ns", NULL};
-    PyObject *ctx, *fallback = Py_None;
+    static char *names[] = {"ctx", "fallback", "flush_rows", "flush_ns", "hash_attr", NULL};
+    PyObject *ctx, *fallback = Py_None, *hash_attr = s_block_hash;
     Py_ssize_t flush_rows = 8192;
     long long flush_ns = 250000000LL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OnL", names, &ctx, &fallback, &flush_rows, &flush_ns))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OnLU", names, &ctx, &fallback, &flush_rows, &flush_ns,
+                                     &hash_attr))
         return -1;
     Py_XSETREF(self->ctx, Py_NewRef(ctx));
+    Py_XSETREF(self->hash_attr, Py_NewRef(hash_attr));
+    slot_ref_init(&self->ctx_step, ctx, s_step);
+    slot_ref_init(&self->ctx_request_id, ctx, s_request_id);
     Py_XSETREF(self->fallback_fn, Py_NewRef(fallback));
     self->flush_rows = flush_rows;
     self->flush_ns = flush_ns;
@@ -506,6 +561,9 @@ static void BlockLog_dealloc(BlockLog *self) {
     buf_free(&self->pend_hashes);
     Py_XDECREF(self->ctx);
     Py_XDECREF(self->fallback_fn);
+    Py_XDECREF(self->hash_attr);
+    Py_CLEAR(self->ctx_step.type);
+    Py_CLEAR(self->ctx_request_id.type);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -634,7 +692,7 @@ static PyObject *BlockLog_cache(BlockLog *self, PyObject *const *args, Py_ssize_
     Py_ssize_t ids0 = self->ids.n, hashes0 = self->hashes.n, k = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = lo; i < hi; i++) {
-        PyObject *key = PyObject_GetAttr(items[i], s_block_hash);
+        PyObject *key = PyObject_GetAttr(items[i], self->hash_attr);
         if (key == NULL)
             goto error;
         if (key == Py_None) {
@@ -814,7 +872,12 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
         }
         long nb = 0; /* None (no new blocks) or a tuple of per-group lists: count group 0's */
         PyObject *groups = PySequence_Fast_GET_ITEM(news, i);
-        if (groups != Py_None && PyObject_IsTrue(groups) == 1) {
+        if (groups == Py_None) {
+            /* the usual decode step: no new block */
+        } else if (PyTuple_CheckExact(groups) && PyTuple_GET_SIZE(groups) > 0
+                   && PyList_CheckExact(PyTuple_GET_ITEM(groups, 0))) { /* what vLLM passes */
+            nb = (long)PyList_GET_SIZE(PyTuple_GET_ITEM(groups, 0));
+        } else if (PyObject_IsTrue(groups) == 1) {
             PyObject *first = PySequence_GetItem(groups, 0);
             if (first == NULL)
                 goto error;

@@ -123,7 +123,6 @@ def hashes64_array(keys: list) -> pa.Array:
 
 
 _block_id = attrgetter("block_id")
-_block_hash = attrgetter("block_hash")
 
 
 def _ids_without(blocks: Any, null: Any) -> list[int]:
@@ -141,11 +140,14 @@ class BlockLog:
     returns True when it is time to `take()`."""
 
     __slots__ = ("ts", "step", "event", "group", "rid", "ids", "ids_end", "hashes", "hashes_end", "hashed",
-                 "since_ns", "in_alloc", "evicted", "flush_rows", "flush_ns")
+                 "since_ns", "in_alloc", "evicted", "flush_rows", "flush_ns", "hash_of", "ctx")
 
     def __init__(self, ctx: Any = ctx, fallback: Any = None, flush_rows: int = BLOCK_FLUSH_ROWS,
-                 flush_ns: int | None = None) -> None:
+                 flush_ns: int | None = None, hash_attr: str = "block_hash") -> None:
+        """`hash_attr`: the KVCacheBlock attribute that holds its hash (see kv_blocks.hash_attribute)."""
         self.flush_rows, self.flush_ns = flush_rows, FLUSH_NS if flush_ns is None else flush_ns
+        self.hash_of = attrgetter(hash_attr)
+        self.ctx = ctx
         self.in_alloc = False
         self.evicted: list[tuple[int, Any]] = []  # (block id, hash) evicted inside get_new_blocks
         self._clear()
@@ -169,7 +171,7 @@ class BlockLog:
 
     def _add(self, t: int, event: str, group: int, rid: str | None, ids: Any, hashes: Any = None) -> None:
         self.ts.append(t)
-        self.step.append(ctx.step)
+        self.step.append(self.ctx.step)
         self.event.append(event)
         self.group.append(group)
         self.rid.append(rid)
@@ -183,11 +185,10 @@ class BlockLog:
     def _due(self, t: int) -> bool:
         return len(self.ts) >= self.flush_rows or t - self.since_ns >= self.flush_ns
 
-    @staticmethod
-    def _request() -> str | None:
+    def _request(self) -> str | None:
         # Frames: 0 caller_request_id, 1 _request, 2 the log's method, 3 the wrapper, 4 vLLM's caller.
         rid = caller_request_id(4)
-        return rid if rid is not None else ctx.request_id
+        return rid if rid is not None else getattr(self.ctx, "request_id", None)
 
     # get_new_blocks: evictions it makes wait for its own row (they are attributed to its request).
     def begin_alloc(self) -> None:
@@ -231,14 +232,15 @@ class BlockLog:
         if not ids:
             return False
         t = _now()
-        self._add(t, event, 0, caller_request_id(4) or ctx.request_id, ids)
+        rid = caller_request_id(4)
+        self._add(t, event, 0, rid if rid is not None else getattr(self.ctx, "request_id", None), ids)
         return self._due(t)
 
     def cache(self, request: Any, blocks: Any, num_cached: int, num_full: int, group: int) -> bool:
         """cache_full_blocks: blocks[num_cached:num_full] that have a hash (null or masked-out blocks
         were not cached), with their hashes."""
         new = blocks[num_cached:num_full]
-        keys = tuple(map(_block_hash, new))
+        keys = tuple(map(self.hash_of, new))
         if None in keys:
             new = [b for b, k in zip(new, keys) if k is not None]
             keys = tuple(k for k in keys if k is not None)
@@ -480,11 +482,11 @@ def native() -> bool:
     return _columns is not None
 
 
-def block_log() -> Any:
-    """A BlockLog: the native one where it imports."""
+def block_log(hash_attr: str = "block_hash") -> Any:
+    """A BlockLog (the native one where it imports) that reads a block's hash from `hash_attr`."""
     if _columns is not None:
-        return NativeBlockLog(ctx, caller_request_id, BLOCK_FLUSH_ROWS, FLUSH_NS)
-    return BlockLog()
+        return NativeBlockLog(ctx, caller_request_id, BLOCK_FLUSH_ROWS, FLUSH_NS, hash_attr)
+    return BlockLog(hash_attr=hash_attr)
 
 
 def decode_log() -> Any:

@@ -38,6 +38,23 @@ KVM = "vllm.v1.core.kv_cache_manager"
 STM = "vllm.v1.core.single_type_kv_cache_manager"
 
 
+def hash_attribute() -> str:
+    """The KVCacheBlock attribute to read a block's hash from: `_block_hash`, the field behind vLLM's
+    `block_hash` property, where the property returns it as it is (checked on a block made here): a
+    plain attribute read, where the property is a Python call per block (thousands a second). Else
+    the property."""
+    try:
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        block, mark = KVCacheBlock(0), object()
+        block._block_hash = mark
+        if block.block_hash is mark:
+            return "_block_hash"
+    except Exception:
+        pass
+    return "block_hash"
+
+
 class BlockPoolProbe(Probe):
     name = "kv_blocks"
 
@@ -58,7 +75,8 @@ class BlockPoolProbe(Probe):
     def install_patches(self) -> None:
         from vllm.v1.core.block_pool import BlockPool
 
-        self.log = log = block_log()
+        hash_attr = hash_attribute()
+        self.log = log = block_log(hash_attr=hash_attr)
         self.rec.info["hot_path"] = "native" if native() else f"python ({NATIVE_MISSING or 'not built'})"
         env = {"probe": self, "log": log, "inject": self.options.get("inject_fault") == self.name}
         # Each body names vLLM's own parameters (checked by `targets()`); `{call}` calls the original.
@@ -84,7 +102,7 @@ class BlockPoolProbe(Probe):
             "_maybe_evict_cached_block": """
     if not probe.enabled:
         return {call}
-    key = block.block_hash
+    key = block.{hash}
     done = {call}
     if done:
         try:
@@ -110,6 +128,7 @@ class BlockPoolProbe(Probe):
                 """if log.cache(request, blocks, num_cached_blocks, num_full_blocks, kv_cache_group_id):
                 probe.take()""", " and num_full_blocks > num_cached_blocks"),
         }
+        bodies = {name: body.replace("{hash}", hash_attr) for name, body in bodies.items()}
         patch_exact(self, BlockPool, bodies, env)
 
     def take(self) -> None:

@@ -19,9 +19,9 @@ vLLM's calls through them stay specialised.
 
 `allocate_slots`, called once per running request per step, is not wrapped at class level (a wrapper
 there cost ~2.3% of a scheduling step). For the kv-insuf check, the scheduler's `kv_cache_manager`
-attribute is a stand-in (`_AdmissionWatch`) only while the waiting queue is admitted: from
+attribute is a stand-in (`_AdmissionWatch`) only while a waiting request is being admitted: from
 `_handle_blocked_waiting_request`, which vLLM calls first for every waiting request it considers, until
-schedule() returns. Neither an instance attribute on the manager (it stops CPython specialising every
+that request's allocate_slots has answered (or schedule() returns). Neither an instance attribute on the manager (it stops CPython specialising every
 `kvm.allocate_slots` lookup, see `_AdmissionWatch`) nor `kvm.__dict__` (reading an instance's `__dict__`
 materialises it and slows every attribute access on the object afterwards: CPython 3.11 inline values,
 measured ~2% of a step). See bench/bench_host_probes.py.
@@ -30,6 +30,7 @@ measured ~2% of a step). See bench/bench_host_probes.py.
 from __future__ import annotations
 
 import time
+from operator import attrgetter
 from typing import Any
 
 from kvtrace.probes.base import Probe, after_call, exact_wrapper, patch_exact
@@ -82,7 +83,8 @@ class SchedulerProbe(Probe):
         # no token yet: update_from_output of that step gives them their first token.
         self.first_token_due: dict[int, list] = {}
         self.finished_in_update = 0  # _free_request calls during the current update_from_output
-        self.armed: Any = None  # the KVCacheManager whose allocate_slots is watched while admitting
+        self.armed: Any = None  # the Scheduler whose kv_cache_manager is the watch right now
+        self.watchable: Any = None  # the last KVCacheManager found fit for the watch (arm_admission)
         self.held: set[str] = set()  # requests whose blocks a connector holds after finish
         self.kv_short = False  # allocate_slots returned None for a waiting request this step
         self.blocked = False  # a waiting request was skipped as blocked this step
@@ -119,6 +121,10 @@ class SchedulerProbe(Probe):
         watch_alloc = exact_wrapper(self.alloc_plain, """
     self = self._kvm  # the watch stands in for the real manager: call vLLM's method on that
     blocks = {call}
+    sched = probe.armed
+    if sched is not None:  # the answer is in: the real manager back until the next waiting request
+        sched.kv_cache_manager = self
+        probe.armed = None
     # None for a request that is not running = admission stopped for lack of KV blocks.
     if blocks is None and request.status.name != "RUNNING":
         probe.kv_short = True
@@ -231,10 +237,13 @@ class SchedulerProbe(Probe):
 
     # ---- kv-insuf: allocate_slots seen only while the waiting queue is admitted ---------------
     def arm_admission(self, sched: Any) -> None:
-        """Let `sched.kv_cache_manager` be the watch until schedule() returns (disarm_admission)."""
+        """Let `sched.kv_cache_manager` be the watch until this waiting request's allocate_slots has
+        answered (the watch's own allocate_slots puts the manager back), or schedule() returns."""
         kvm = sched.kv_cache_manager
-        if getattr(kvm.allocate_slots, "__func__", None) is not self.alloc_plain:
-            return  # an instance's own allocate_slots, or a manager class with its own: leave it
+        if kvm is not self.watchable:  # first time for this manager: may the watch stand in for it?
+            if getattr(kvm.allocate_slots, "__func__", None) is not self.alloc_plain:
+                return  # an instance's own allocate_slots, or a manager class with its own: leave it
+            self.watchable = kvm
         object.__setattr__(self.watch, "_kvm", kvm)
         sched.kv_cache_manager = self.watch
         self.armed = sched
@@ -248,6 +257,7 @@ class SchedulerProbe(Probe):
     def uninstall(self) -> None:
         if getattr(self, "armed", None) is not None:
             self.disarm_admission()
+        self.watchable = None
         super().uninstall()
 
     # ---- NVTX: `kvtrace step N` from schedule() to the end of update_from_output() -------------
@@ -493,10 +503,12 @@ class SchedulerProbe(Probe):
 
 
 class _AdmissionWatch:
-    """Stands in for the scheduler's KVCacheManager while vLLM admits its waiting queue (from the first
-    waiting request it considers until schedule() returns): the probe's `allocate_slots` (set on a
-    subclass made at install) notes an admission that failed for lack of KV blocks; every other
-    attribute is the real manager's.
+    """Stands in for the scheduler's KVCacheManager while vLLM admits a waiting request (from
+    `_handle_blocked_waiting_request` until its allocate_slots answers): the probe's `allocate_slots`
+    (set on a subclass made at install) notes an admission that failed for lack of KV blocks and puts
+    the real manager back; every other attribute is the real manager's, read through a forwarding
+    property (made at the first read of each name). Reads through the watch cost ~10x a plain
+    attribute read (no specialisation), so the window is kept to the one call that answers.
 
     Why a stand-in and not an instance attribute `allocate_slots` on the manager: once that name has been
     an instance attribute, CPython 3.11 no longer specialises `kvm.allocate_slots` lookups anywhere (an
@@ -509,6 +521,14 @@ class _AdmissionWatch:
     __slots__ = ("_kvm",)
 
     def __getattr__(self, name: str) -> Any:
+        # The first read of `name` through the watch installs a forwarding property on its class, so
+        # the later ones never come here: on CPython 3.11, __getattr__ runs only after the normal
+        # lookup has raised an AttributeError with a formatted message (~3,000 instructions), and vLLM
+        # reads a few of the manager's names per waiting request (~2,600 a round in the benchmark).
+        if name == "_kvm":  # not armed: no manager to forward to
+            raise AttributeError(name)
+        if not name.startswith("__"):
+            setattr(type(self), name, property(attrgetter("_kvm." + name)))
         return getattr(self._kvm, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -527,4 +547,8 @@ def _block_ids(sched: Any, request_id: str) -> list[int]:
 
 
 def _num_blocks(sched: Any, request_id: str) -> int:
-    return len(_block_ids(sched, request_id))
+    try:
+        groups = sched.kv_cache_manager.get_block_ids(request_id)
+    except Exception:
+        return 0
+    return len(groups[0]) - groups[0].count(0) if groups else 0  # less the null block (id 0)

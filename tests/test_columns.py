@@ -362,3 +362,101 @@ def test_recorder_counts_a_bad_row_as_dropped(tmp_path, capsys):
     finally:
         rec.close()
     assert "do not fit the schema" in capsys.readouterr().err
+
+
+# ---- reading vLLM's objects quickly, and falling back ------------------------------------------------
+class LooseContext:
+    """A ctx that is not EngineContext (no slots): the native log reads it by name."""
+
+    def __init__(self) -> None:
+        self.step, self.request_id = 0, None
+
+
+@pytest.mark.parametrize("kind", ["python", "native"])
+@pytest.mark.parametrize("ctx_kind", ["engine", "loose"])
+def test_block_log_reads_the_current_step_and_fallback_request_from_ctx(kind, ctx_kind):
+    if kind == "native" and columns._columns is None:
+        pytest.skip(f"native logs not built: {columns.NATIVE_MISSING}")
+    from kvtrace.probes.context import EngineContext
+
+    c = EngineContext() if ctx_kind == "engine" else LooseContext()
+    log = columns.BlockLog(c) if kind == "python" else columns.NativeBlockLog(c, columns.caller_request_id)
+    c.step = 4
+    manager("r1", log.touch, POOL, [Block(1)])
+    c.step, c.request_id = 5, "from-ctx"
+    no_request(log.touch, POOL, [Block(2)])  # no request argument above: ctx.request_id names it
+    del c.request_id  # an empty slot (or no attribute): no request at all, not an error
+    c.step = 6
+    no_request(log.touch, POOL, [Block(3)])
+    rows = table(log.take(), "block_events").to_pylist()
+    assert [(r["step"], r["request_id"], r["block_ids"]) for r in rows] == [
+        (4, "r1", [1]), (5, "from-ctx", [2]), (6, None, [3])]
+
+
+@dataclass
+class PrivateHashBlock:
+    """Like vLLM's KVCacheBlock: the hash in `_block_hash`, `block_hash` a property over it."""
+
+    block_id: int
+    _block_hash: Any = None
+
+    @property
+    def block_hash(self) -> Any:
+        raise AssertionError("read through the property: hash_attr was not used")
+
+
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_block_log_reads_hashes_from_the_attribute_it_is_given(kind):
+    if kind == "native" and columns._columns is None:
+        pytest.skip(f"native logs not built: {columns.NATIVE_MISSING}")
+    if kind == "python":
+        log = columns.BlockLog(ctx, hash_attr="_block_hash")
+    else:
+        log = columns.NativeBlockLog(ctx, columns.caller_request_id, hash_attr="_block_hash")
+    blocks = [PrivateHashBlock(1, H[0]), PrivateHashBlock(2, None), PrivateHashBlock(3, H[1])]
+    log.cache(Request("r"), blocks, 0, 3, 0)
+    rows = table(log.take(), "block_events").to_pylist()
+    assert [(r["event"], r["block_ids"], r["block_hashes"]) for r in rows] == [
+        ("cache", [1, 3], [columns.hash64(H[0]), columns.hash64(H[1])])]
+
+
+def test_hash_attribute_is_what_vllms_block_hash_returns():
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvtrace.probes.kv_blocks import hash_attribute
+
+    attr = hash_attribute()
+    block = KVCacheBlock(5)
+    block._block_hash = H[2]
+    assert getattr(block, attr) is block.block_hash
+    assert attr == "_block_hash"  # vLLM 0.32: the property returns the field as it is
+
+
+def test_admission_watch_forwards_every_attribute_to_the_manager():
+    from kvtrace.probes.scheduler import _AdmissionWatch
+
+    class Manager:
+        def __init__(self) -> None:
+            self.block_pool = "pool"
+
+        def get_computed_blocks(self, request):
+            return ("blocks of", request)
+
+    watch = type("Watch", (_AdmissionWatch,), {})()
+    with pytest.raises(AttributeError):
+        getattr(watch, "block_pool")  # noqa: B009 - not armed: no manager to forward to
+    kvm = Manager()
+    object.__setattr__(watch, "_kvm", kvm)
+    for _ in range(2):  # the first read makes a forwarding property, the second goes through it
+        assert watch.block_pool == "pool"
+        assert watch.get_computed_blocks("r") == ("blocks of", "r")
+    assert isinstance(type(watch).__dict__["block_pool"], property)
+    watch.block_pool = "new pool"  # a write goes to the manager too
+    assert kvm.block_pool == "new pool" and watch.block_pool == "new pool"
+    kvm.prefix_cache_stats = 1  # rebound on the manager: seen through the watch
+    assert watch.prefix_cache_stats == 1
+    kvm.prefix_cache_stats = 2
+    assert watch.prefix_cache_stats == 2
+    for _ in range(2):  # also once the forwarding property exists
+        with pytest.raises(AttributeError):
+            getattr(watch, "no_such_name")  # noqa: B009
