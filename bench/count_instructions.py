@@ -15,6 +15,10 @@ Under valgrind a round takes ~50x longer in wall time, so work that the clock tr
 hand-overs every 250 ms, the writer's 0.5 s flushes) would run ~50x more often per round than at full
 speed, and be overstated as much (as the counts before 2026-11-24 were): `--slowdown` (50) stretches
 those intervals by the same factor, so each happens about as often per round as at full speed.
+
+Where the difference is: `callgrind_annotate --auto=no OUT.2-01` against `OUT.1-01` (mode 2 against
+mode 1, the scheduler's thread), function by function. Valgrind's `--cache-sim=yes` / `--branch-sim=yes`
+add cache misses and branch mispredictions per function (docs/performance.md, "Tenth session").
 """
 
 from __future__ import annotations
