@@ -40,7 +40,7 @@ def killed(tiny_model, tmp_path_factory) -> dict:
     """Three recordings of a long workload; once each has flushed steps, one gets its kill."""
     tmp = tmp_path_factory.mktemp("killed")
     # Long enough that no run can finish before its kill: at --repeat 50 (~1,800 steps, a few seconds on
-    # a fast day) 2 of 6 runs of this module on 2026-11-24 had a killed recording exit 0, as a run that
+    # a fast day) 2 of 5 runs of this module on 2026-11-24 had a killed recording exit 0, as a run that
     # ended before its kill would. A killed run stops at once whatever its length: the length is free.
     recs = {k: start_record(tmp / k, workload_cmd(tiny_model, "--repeat", "400", "--jobs", "4", "--turns", "2",
                                                   "--max-tokens", "16"))
