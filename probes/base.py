@@ -212,6 +212,18 @@ def patch_exact(probe: Probe, owner: Any, bodies: dict[str, str], env: dict) -> 
         probe.patch(owner, name, lambda orig, body=body: exact_wrapper(orig, body, env))
 
 
+def before_call(handler: str, condition: str = "") -> str:
+    """The `exact_wrapper` body of a wrapper that runs the handler call `handler` (while the probe is on
+    and `condition` holds), then calls the original; the handler's errors switch the probe off."""
+    return f"""
+    if probe.enabled{condition}:
+        try:
+            {handler}
+        except Exception as exc:
+            probe.fail(exc)
+    return {{call}}"""
+
+
 def after_call(handler: str, condition: str = "") -> str:
     """The `exact_wrapper` body of a wrapper that calls the original, then (while the probe is on and
     `condition` holds) the handler call `handler`, whose errors switch the probe off, never vLLM."""

@@ -33,7 +33,7 @@ import time
 from operator import attrgetter
 from typing import Any
 
-from kvtrace.probes.base import Probe, after_call, exact_wrapper, patch_exact
+from kvtrace.probes.base import Probe, after_call, before_call, exact_wrapper, patch_exact
 from kvtrace.probes.columns import decode_log, positions
 from kvtrace.probes.context import ctx
 
@@ -180,13 +180,7 @@ class SchedulerProbe(Probe):
     except Exception as exc:
         probe.fail(exc)
     return result""",
-            "add_request": """
-    if probe.enabled:
-        try:
-            probe.on_add_request({self}, request)
-        except Exception as exc:
-            probe.fail(exc)
-    return {call}""",
+            "add_request": before_call("probe.on_add_request({self}, request)"),
             "_preempt_request": """
     if not probe.enabled:
         return {call}
@@ -203,15 +197,10 @@ class SchedulerProbe(Probe):
             probe.fail(exc)
     return result""",
             "_free_request": after_call("probe.on_finished({self}, request)"),
-            "_free_blocks": """
-    if probe.enabled and request.request_id in probe.held:
-        try:
-            probe.on_release({self}, request)
-        except Exception as exc:
-            probe.fail(exc)
-    return {call}""",
+            "_free_blocks": before_call("probe.on_release({self}, request)",
+                                        " and request.request_id in probe.held"),
             # vLLM calls this first for every waiting request it considers admitting, before that
-            # request's allocate_slots: from here until schedule() returns, watch allocate_slots.
+            # request's allocate_slots: from here until that allocate_slots answers, watch it.
             "_handle_blocked_waiting_request": """
     ready = {call}
     if not ready:
@@ -538,17 +527,19 @@ class _AdmissionWatch:
 _REASON_NAMES: dict = {}  # vLLM FinishReason -> our name ("stop", "length", ...), made once per reason
 
 
-def _block_ids(sched: Any, request_id: str) -> list[int]:
+def _group0_ids(sched: Any, request_id: str) -> Any:
+    """The request's block ids in KV-cache group 0, null blocks (id 0) included; () if none."""
     try:
         groups = sched.kv_cache_manager.get_block_ids(request_id)
     except Exception:
-        return []
-    return [b for b in groups[0] if b] if groups else []
+        return ()
+    return groups[0] if groups else ()
+
+
+def _block_ids(sched: Any, request_id: str) -> list[int]:
+    return [b for b in _group0_ids(sched, request_id) if b]
 
 
 def _num_blocks(sched: Any, request_id: str) -> int:
-    try:
-        groups = sched.kv_cache_manager.get_block_ids(request_id)
-    except Exception:
-        return 0
-    return len(groups[0]) - groups[0].count(0) if groups else 0  # less the null block (id 0)
+    ids = _group0_ids(sched, request_id)
+    return len(ids) - ids.count(0)  # less the null block (id 0), without a list per preemption
