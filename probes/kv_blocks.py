@@ -18,9 +18,12 @@ copy-on-write retentions) get none.
 Cost: the pool methods are wrapped by `exact_wrapper` (the original's own parameter list, so CPython
 keeps specialised calls), and each wrapper makes one call into the log after vLLM's method returns.
 
-`prefix_cache` patches `KVCacheManager.get_computed_blocks` (the lookup) and
-`KVCacheManager.record_prefix_cache_stats` (vLLM counts a lookup there, at admission): a lookup row is
-written when vLLM counts it, so our totals equal vLLM's `prefix_cache_queries` / `_hits` exactly.
+`prefix_cache` patches `KVCacheManager.record_prefix_cache_stats`, where vLLM counts a lookup (at
+admission, with the tokens the local prefix cache hit): a lookup row is written when vLLM counts it, so
+our totals equal vLLM's `prefix_cache_queries` / `_hits` exactly. The lookup itself
+(`get_computed_blocks`, or `get_computed_blocks_for_connector` with some connectors) is not wrapped: it
+runs for every waiting request vLLM considers, admitted or not, and its hit blocks are the hit tokens
+over group 0's block size (vLLM truncates every group's hit to whole blocks of a common length).
 """
 
 from __future__ import annotations
@@ -151,8 +154,8 @@ class PrefixCacheProbe(Probe):
 
     def targets(self):
         return [
-            (KVM, "KVCacheManager.get_computed_blocks", ("request",)),
             (KVM, "KVCacheManager.record_prefix_cache_stats", ("request", "num_hits")),
+            (KVM, "KVCacheManager.prefix_cache_lookup_enabled", ("request",)),
         ]
 
     def install_patches(self) -> None:
@@ -160,41 +163,42 @@ class PrefixCacheProbe(Probe):
 
         out = self.rec.buffer("prefix_lookups")
         probe = self
-        last_lookup: dict[str, tuple] = {}  # request -> (ts, hit_blocks) of its latest lookup
         external: dict[str, int] = {}  # request -> tokens a connector matched (set by the connector probe)
         self.external_matches = external
+        # Tokens per block hash and per group-0 block, for the manager they were last read from.
+        sizes: list[Any] = [None, 1, 1]
 
         # A RowLog takes vLLM's block hashes as they are (each stored as its first 8 bytes); a list
         # of tuples needs them converted here.
         raw_hashes = not isinstance(out, list)
         inject = self.options.get("inject_fault") == self.name
 
-        def on_lookup(request: Any, result: Any) -> None:
-            blocks = result[0]
-            groups = getattr(blocks, "blocks", blocks)
-            last_lookup[request.request_id] = (_now(), len(groups[0]) if groups else 0)
-
         def on_counted(kvm: Any, request: Any, num_hits: int) -> None:
             if not kvm.prefix_cache_lookup_enabled(request):
                 return  # vLLM did not count it either
             if inject:
                 probe.maybe_inject_fault()
-            rid = request.request_id
-            seen = last_lookup.pop(rid, None)
-            ts, hit_blocks = seen if seen is not None else (_now(), 0)
-            # Hashes cover hash_block_size tokens each (the group block size on single-group models).
-            hash_block = getattr(kvm.block_pool, "hash_block_size", 0) or 1
+            if kvm is not sizes[0]:
+                sizes[:] = [kvm, *block_sizes(kvm)]
+            hash_block, block = sizes[1], sizes[2]
             hashes = request.block_hashes
             full = len(hashes)
             query = request.num_tokens
             missed = hashes[num_hits // hash_block:]
-            out.append((ts, ctx.step, rid, query, num_hits, hit_blocks, full, query - full * hash_block,
-                        missed if raw_hashes else list(hashes64(missed)), external.pop(rid, None),
-                        1 if request.num_preemptions > 0 else 0))
+            out.append((_now(), ctx.step, request.request_id, query, num_hits, num_hits // block, full,
+                        query - full * hash_block, missed if raw_hashes else list(hashes64(missed)),
+                        external.pop(request.request_id, None), 1 if request.num_preemptions > 0 else 0))
 
-        env = {"probe": probe, "on_lookup": on_lookup, "on_counted": on_counted}
-        bodies = {
-            "get_computed_blocks": after_call("on_lookup(request, result)"),
+        env = {"probe": probe, "on_counted": on_counted}
+        patch_exact(self, KVCacheManager, {
             "record_prefix_cache_stats": after_call("on_counted({self}, request, num_hits)"),
-        }
-        patch_exact(self, KVCacheManager, bodies, env)
+        }, env)
+
+
+def block_sizes(kvm: Any) -> tuple[int, int]:
+    """(tokens per block hash, tokens per block of KV-cache group 0) of a KVCacheManager."""
+    hash_block = getattr(kvm.block_pool, "hash_block_size", 0) or 1
+    try:
+        return hash_block, int(kvm.coordinator.single_type_managers[0].block_size) or hash_block
+    except Exception:  # a coordinator without per-group managers: hashes and blocks alike
+        return hash_block, hash_block
