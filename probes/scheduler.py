@@ -4,8 +4,8 @@ lifecycle events, preemptions and holds.
 Patch points (vLLM 0.32, `vllm.v1.core.sched.scheduler.Scheduler`): `schedule` (a step starts; its
 output is tagged with our step id so the worker can read it), `update_from_output` (the step ends;
 first tokens), `add_request` (arrival), `_preempt_request`, `_free_request` (finish, connector holds),
-`_free_blocks` (a held request's blocks are released), `_handle_blocked_waiting_request` and
-`KVCacheManager.allocate_slots` (why admission stopped).
+`_free_blocks` (a held request's blocks are released; wrapped from the first hold on),
+`_handle_blocked_waiting_request` and `KVCacheManager.allocate_slots` (why admission stopped).
 
 Cost: a step schedules up to max_num_seqs requests, so nothing here may do Python work per running
 request beyond its `step_requests` row. Decode rows (the common case) are not tuples: one call per step
@@ -86,10 +86,12 @@ class SchedulerProbe(Probe):
         self.armed: Any = None  # the Scheduler whose kv_cache_manager is the watch right now
         self.watchable: Any = None  # the last KVCacheManager found fit for the watch (arm_admission)
         self.held: set[str] = set()  # requests whose blocks a connector holds after finish
+        self.releases_watched = False  # `_free_blocks` wrapped (watch_releases), at the first hold
         self.kv_short = False  # allocate_slots returned None for a waiting request this step
         self.blocked = False  # a waiting request was skipped as blocked this step
         self.preempted_this_step = 0
         self.config_recorded = False
+        self.inject = self.options.get("inject_fault") == self.name
         self.nvtx_depth = 0  # NVTX ranges this thread has open (step, phase)
         if _nvtx is not None:
             _nvtx.configure(enabled=bool(self.options.get("nvtx", True)),
@@ -134,7 +136,8 @@ class SchedulerProbe(Probe):
         # `exact_wrapper`s, vLLM's calls through them stay specialised Python calls (a `*args, **kwargs`
         # wrapper costs an argument tuple, a dict and a C-level call each time). Each body names
         # vLLM's own parameters (checked by `targets()`); `{call}` calls the original.
-        env = {"probe": self, "ctx": ctx, "_now": _now, "num_blocks": _num_blocks}
+        self.env = env = {"probe": self, "ctx": ctx, "_now": _now, "num_blocks": _num_blocks,
+                          "set_watched": _AdmissionWatch._kvm.__set__}
         patch_exact(self, Scheduler, {
             "schedule": """
     if not probe.enabled:
@@ -176,7 +179,7 @@ class SchedulerProbe(Probe):
     probe.finished_in_update = 0
     result = {call}
     try:
-        probe.after_update({self}, step, result)
+        probe.after_update({self}, step)
     except Exception as exc:
         probe.fail(exc)
     return result""",
@@ -197,8 +200,6 @@ class SchedulerProbe(Probe):
             probe.fail(exc)
     return result""",
             "_free_request": after_call("probe.on_finished({self}, request)"),
-            "_free_blocks": before_call("probe.on_release({self}, request)",
-                                        " and request.request_id in probe.held"),
             # vLLM calls this first for every waiting request it considers admitting, before that
             # request's allocate_slots: from here until that allocate_slots answers, watch it.
             "_handle_blocked_waiting_request": """
@@ -207,19 +208,42 @@ class SchedulerProbe(Probe):
         probe.blocked = True
     elif probe.armed is None and probe.enabled:
         try:
-            probe.arm_admission({self})
+            kvm = {self}.kv_cache_manager
+            if kvm is probe.watchable:  # arm_admission's common case, without a call per request
+                set_watched(probe.watch, kvm)
+                {self}.kv_cache_manager = probe.watch
+                probe.armed = {self}
+            else:
+                probe.arm_admission({self})
         except Exception as exc:
             probe.fail(exc)
     return ready""",
         }, env)
 
-    def after_update(self, sched: Any, step: int, result: Any) -> None:
+    def after_update(self, sched: Any, step: int) -> None:
+        """The step ends: its row, and the first tokens of the requests whose prefill completed in it."""
         if self.nvtx_on:
             self.nvtx_close(keep_step=False)
-        self.on_update(step, result)
-        if not sched.has_requests():
+        t = _now()
+        row = self.pending_steps.pop(step, None)
+        due = self.first_token_due.pop(step, None)
+        if due:
+            awaiting = self.awaiting_first_token
+            for rid, req in due:
+                # Tokens the request holds after this update: it had none before this step.
+                n = req.num_output_tokens
+                if n and rid in awaiting:
+                    awaiting.discard(rid)
+                    self.req_events.append((t, step, rid, "first_token", n, None))
+        if row is not None:
+            row[3] = t
+            row[19] = self.finished_in_update
+            self.steps.append(tuple(row))
+        if not sched.running and not sched.has_requests():
             # The engine goes idle (it blocks on its input queue next): rows held as columns would
-            # otherwise wait there for the next request, or be lost to a kill.
+            # otherwise wait there for the next request, or be lost to a kill. (`running` first: while
+            # requests run the engine is busy, and has_requests() is four of vLLM's calls, ~1.5 us a
+            # step. An engine paused with requests running keeps its rows until the next hand-over.)
             from kvtrace.probes.plugin import take_pending
 
             take_pending()
@@ -233,7 +257,7 @@ class SchedulerProbe(Probe):
             if getattr(kvm.allocate_slots, "__func__", None) is not self.alloc_plain:
                 return  # an instance's own allocate_slots, or a manager class with its own: leave it
             self.watchable = kvm
-        object.__setattr__(self.watch, "_kvm", kvm)
+        _AdmissionWatch._kvm.__set__(self.watch, kvm)
         sched.kv_cache_manager = self.watch
         self.armed = sched
 
@@ -241,7 +265,7 @@ class SchedulerProbe(Probe):
         sched, self.armed = self.armed, None
         if sched.kv_cache_manager is self.watch:
             sched.kv_cache_manager = self.watch._kvm
-        object.__setattr__(self.watch, "_kvm", None)
+        _AdmissionWatch._kvm.__set__(self.watch, None)
 
     def uninstall(self) -> None:
         if getattr(self, "armed", None) is not None:
@@ -271,7 +295,8 @@ class SchedulerProbe(Probe):
 
     # ---- event handlers (EngineCore process, scheduler thread) --------------------------------
     def on_schedule(self, sched: Any, out: Any, t0: int) -> None:
-        self.maybe_inject_fault()
+        if self.inject:
+            self.maybe_inject_fault()
         t1 = _now()
         step = sched.current_step
         ctx.step = step
@@ -386,23 +411,6 @@ class SchedulerProbe(Probe):
         # Chunked prefill off and the next prompt does not fit the remaining budget.
         return "tok-budget"
 
-    def on_update(self, step: int, result: Any) -> None:
-        t = _now()
-        row = self.pending_steps.pop(step, None)
-        due = self.first_token_due.pop(step, None)
-        if due:
-            awaiting = self.awaiting_first_token
-            for rid, req in due:
-                # Tokens the request holds after this update: it had none before this step.
-                n = req.num_output_tokens
-                if n and rid in awaiting:
-                    awaiting.discard(rid)
-                    self.req_events.append((t, step, rid, "first_token", n, None))
-        if row is not None:
-            row[3] = t
-            row[19] = self.finished_in_update
-            self.steps.append(tuple(row))
-
     def on_add_request(self, sched: Any, request: Any) -> None:
         t = _now()
         rid = request.request_id
@@ -424,12 +432,13 @@ class SchedulerProbe(Probe):
     def on_finished(self, sched: Any, request: Any) -> None:
         t = _now()
         rid = request.request_id
-        reason = request.get_finished_reason()
-        reason_name = _REASON_NAMES.get(reason)
-        if reason_name is None:
-            reason_name = str(reason).split(".")[-1].lower() if reason is not None else request.status.name
+        status = request.status
+        reason_name = _REASON_NAMES.get(status)
+        if reason_name is None:  # first finish with this status: ask vLLM (two of its calls)
+            reason = request.get_finished_reason()
+            reason_name = str(reason).split(".")[-1].lower() if reason is not None else status.name
             if reason is not None:
-                _REASON_NAMES[reason] = reason_name
+                _REASON_NAMES[status] = reason_name
         self.finished_in_update += 1
         self.awaiting_first_token.discard(rid)
         self.prefill_chunks.pop(rid, None)
@@ -440,8 +449,21 @@ class SchedulerProbe(Probe):
         # keeps the request until `_free_blocks` (a request freed at once is gone from `requests`).
         blocks = _block_ids(sched, rid) if rid in sched.requests else None
         if blocks:
+            if not self.releases_watched:
+                self.watch_releases()
             self.held.add(rid)
             self.pins.append((t, ctx.step, "hold", rid, blocks, None, "connector-delay-free"))
+
+    def watch_releases(self) -> None:
+        """Wrap `Scheduler._free_blocks`, which ends a hold, from the first hold on: vLLM calls it for
+        every request that finishes, and only requests a connector holds need it."""
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        self.releases_watched = True
+        patch_exact(self, Scheduler, {
+            "_free_blocks": before_call("probe.on_release({self}, request)",
+                                        " and request.request_id in probe.held"),
+        }, self.env)
 
     def on_release(self, sched: Any, request: Any) -> None:
         rid = request.request_id
@@ -524,7 +546,9 @@ class _AdmissionWatch:
         setattr(self._kvm, name, value)
 
 
-_REASON_NAMES: dict = {}  # vLLM FinishReason -> our name ("stop", "length", ...), made once per reason
+# vLLM's finished RequestStatus -> our name of its FinishReason ("stop", "length", ...), made once per
+# status: vLLM derives the reason from the status alone (RequestStatus.get_finished_reason).
+_REASON_NAMES: dict = {}
 
 
 def _group0_ids(sched: Any, request_id: str) -> Any:

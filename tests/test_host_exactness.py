@@ -167,6 +167,33 @@ def two_requests(d):
     return d.run()
 
 
+def test_free_blocks_is_wrapped_only_from_the_first_hold(drive):
+    """vLLM calls Scheduler._free_blocks for every request that finishes; only a connector's hold
+    (tests/test_pins.py) needs it watched, so the scheduler probe wraps it at the first hold, and
+    restores it with its other patches."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvtrace.probes import plugin
+
+    original = Scheduler.__dict__["_free_blocks"]
+    seen = {}
+
+    def scenario(d):
+        d.add("A", list(range(100, 140)), 2)
+        d.run()
+        seen["finished"] = Scheduler.__dict__["_free_blocks"]
+        probe = next(p for p in plugin._installed if p.name == "scheduler")
+        probe.watch_releases()  # what on_finished does at a request's first hold
+        seen["held"] = Scheduler.__dict__["_free_blocks"]
+        d.add("B", list(range(200, 240)), 2)
+        return d.run()
+
+    drive(DrivenConfig(num_blocks=64), scenario)
+    assert seen["finished"] is original
+    assert seen["held"] is not original and seen["held"].__wrapped__ is original
+    assert Scheduler.__dict__["_free_blocks"] is original
+
+
 def test_one_preemption_rows(drive):
     session, steps_run = drive(PREEMPT_CFG, two_requests)
     assert steps_run == 16
