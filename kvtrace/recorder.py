@@ -135,10 +135,19 @@ class ShardWriter:
         self._file = None
 
 
+# Arrow's memory for the rows the recorder converts and the IPC bytes it writes: the C library's
+# malloc, not Arrow's default pool (mimalloc). mimalloc hands a flush's buffers (~1 MB of
+# step_requests every 0.5 s) back to the OS and takes fresh pages at the next, which the kernel must
+# zero, often as 2 MB huge pages (and compact memory for them first): perf measured ~0.8% of a
+# scheduling step in that, and up to 30 ms of system time a round (bench_host_probes, 2026-11-24,
+# docs/performance.md). malloc keeps and reuses them.
+WRITE_POOL = pa.system_memory_pool()
+
+
 def _batch_message(batch: pa.RecordBatch) -> pa.Buffer:
     """The IPC bytes of one record batch as it stands in a stream (encapsulated message), in Arrow's
     own buffer: written from there, not copied into a Python bytes first."""
-    return batch.serialize()
+    return batch.serialize(memory_pool=WRITE_POOL)
 
 
 class Recorder:
@@ -266,7 +275,8 @@ class Recorder:
         """Append rows given as whole columns (NumPy arrays, one per schema column): the bulk path for
         decoded device records, which would cost a Python tuple per row otherwise."""
         sch = schema.arrow_schema(table)
-        batch = pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in sch], schema=sch)
+        batch = pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type, memory_pool=WRITE_POOL)
+                                            for f in sch], schema=sch)
         self.buffers[table].append(batch)  # a whole batch in the row list; the flush tells them apart
 
     # ---- bookkeeping ------------------------------------------------------------------------
@@ -490,7 +500,7 @@ def rows_to_batch(table: str, rows: list[tuple]) -> pa.RecordBatch:
     """Transpose row tuples into a RecordBatch of `table`'s schema."""
     sch = schema.arrow_schema(table)
     cols = list(zip(*rows, strict=False)) if rows else [[] for _ in sch]
-    arrays = [pa.array(col, type=field.type) for col, field in zip(cols, sch, strict=False)]
+    arrays = [pa.array(col, type=field.type, memory_pool=WRITE_POOL) for col, field in zip(cols, sch, strict=False)]
     return pa.RecordBatch.from_arrays(arrays, schema=sch)
 
 
