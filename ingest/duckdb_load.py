@@ -161,12 +161,17 @@ def markdown() -> str:
            f"columns: their rows are stored in `{STORE}.<table>` with keys in place of values that repeat "
            f"on every row, which the view joins back: a `proc` INTEGER for the process columns "
            f"(`{STORE}.proc_keys`: proc, session, rank, pid), a `request_key` INTEGER for `request_id` in "
-           f"step_requests and batch_slots (`{STORE}.request_keys`: request_key, session, request_id; key "
+           f"all of them but layer_timings (`{STORE}.request_keys`: request_key, session, request_id; key "
            f"0 is the null id), and UTINYINT codes for the labels `phase` and `kind` of step_requests and "
-           f"`event` of block_events (`{STORE}.labels`: label, text). Read them as tables; change rows (UPDATE, DELETE) in the "
-           "stored table, and request ids in the key table. A database written by an older kvtrace, with "
-           "plain tables there or text in place of the request and label keys, is converted on its next "
-           "ingest.", "",
+           f"`event` of block_events (`{STORE}.labels`: label, text). Read them as tables; change rows "
+           "(UPDATE, DELETE) in the stored table, and request ids in the key table. A database written by "
+           "an older kvtrace, with plain tables there or text in place of the request and label keys "
+           "(kv_access and block_events kept their request ids as text until 2026-11-23), is converted on "
+           "its next ingest. The stored tables' columns declare their compression (`USING COMPRESSION "
+           "rle` or `bitpacking`), chosen when a table gets its first chunk of at least a row group "
+           "(122,880 rows) in the database: DuckDB's own size estimates over that chunk, which spares "
+           "DuckDB estimating every segment again (ingest/compression.py); smaller tables keep DuckDB's "
+           "choice per segment.", "",
            "It derives these tables per session. The Parquet dataset (docs/dataset.md) has the same "
            "tables and columns; Nsight Systems tables are in docs/nsys.md."]
     for table, cols in SESSION_TABLES.items():

@@ -118,7 +118,7 @@ TABLES: dict[str, tuple[Column, ...]] = {
     ),
     # Prefix-cache lookups (EngineCore), one per KVCacheManager.get_computed_blocks call.
     "prefix_lookups": (
-        _c("ts_ns", i64, "ns", "lookup time"),
+        _c("ts_ns", i64, "ns", "when vLLM counted the lookup (at admission, in the step of the lookup)"),
         _c("step", i64, "", "engine step id"),
         _c("request_id", s, "", "vLLM request id"),
         _c("query_tokens", i32, "tokens", "tokens the lookup was for (vLLM counts request.num_tokens)"),
