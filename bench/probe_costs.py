@@ -46,7 +46,7 @@ def wrap_handlers() -> None:
 
     methods = {
         scheduler.SchedulerProbe: ("on_schedule", "after_update", "on_add_request", "on_preempt", "on_finished",
-                                   "arm_admission", "disarm_admission", "nvtx_open", "nvtx_close", "take"),
+                                   "may_watch", "disarm_admission", "nvtx_open", "nvtx_close", "take"),
         kv_blocks.BlockPoolProbe: ("take",),
         # The logs in use (native or Python). Their timing wrapper is one more frame between the pool
         # wrapper and the log, so requests are misnamed here: costs only, not rows.

@@ -116,7 +116,7 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("block_hashes", i64_list, "",
            "cache and evict: first 8 bytes of each block's hash as signed int64 (not reversible)"),
     ),
-    # Prefix-cache lookups (EngineCore), one per KVCacheManager.get_computed_blocks call.
+    # Prefix-cache lookups (EngineCore), one per lookup vLLM counts (KVCacheManager.record_prefix_cache_stats).
     "prefix_lookups": (
         _c("ts_ns", i64, "ns", "when vLLM counted the lookup (at admission, in the step of the lookup)"),
         _c("step", i64, "", "engine step id"),

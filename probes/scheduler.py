@@ -84,7 +84,7 @@ class SchedulerProbe(Probe):
         self.first_token_due: dict[int, list] = {}
         self.finished_in_update = 0  # _free_request calls during the current update_from_output
         self.armed: Any = None  # the Scheduler whose kv_cache_manager is the watch right now
-        self.watchable: Any = None  # the last KVCacheManager found fit for the watch (arm_admission)
+        self.watchable: Any = None  # the last KVCacheManager found fit for the watch (may_watch)
         self.held: set[str] = set()  # requests whose blocks a connector holds after finish
         self.releases_watched = False  # `_free_blocks` wrapped (watch_releases), at the first hold
         self.kv_short = False  # allocate_slots returned None for a waiting request this step
@@ -117,7 +117,7 @@ class SchedulerProbe(Probe):
         from vllm.v1.engine.core import EngineCore
 
         self.patch(EngineCore, "shutdown", shutdown)
-        # The kv-insuf watch (arm_admission): a stand-in for the KVCacheManager whose allocate_slots
+        # The kv-insuf watch (may_watch): a stand-in for the KVCacheManager whose allocate_slots
         # notes a failed admission, made once with vLLM's own parameters, and forwards to the real one.
         self.alloc_plain = KVCacheManager.allocate_slots
         watch_alloc = exact_wrapper(self.alloc_plain, """
@@ -208,13 +208,13 @@ class SchedulerProbe(Probe):
         probe.blocked = True
     elif probe.armed is None and probe.enabled:
         try:
+            # The watch stands in for the manager until this request's allocate_slots has answered
+            # (the watch's own allocate_slots puts the manager back), or schedule() returns.
             kvm = {self}.kv_cache_manager
-            if kvm is probe.watchable:  # arm_admission's common case, without a call per request
+            if kvm is probe.watchable or probe.may_watch(kvm):
                 set_watched(probe.watch, kvm)
                 {self}.kv_cache_manager = probe.watch
                 probe.armed = {self}
-            else:
-                probe.arm_admission({self})
         except Exception as exc:
             probe.fail(exc)
     return ready""",
@@ -249,17 +249,14 @@ class SchedulerProbe(Probe):
             take_pending()
 
     # ---- kv-insuf: allocate_slots seen only while the waiting queue is admitted ---------------
-    def arm_admission(self, sched: Any) -> None:
-        """Let `sched.kv_cache_manager` be the watch until this waiting request's allocate_slots has
-        answered (the watch's own allocate_slots puts the manager back), or schedule() returns."""
-        kvm = sched.kv_cache_manager
-        if kvm is not self.watchable:  # first time for this manager: may the watch stand in for it?
-            if getattr(kvm.allocate_slots, "__func__", None) is not self.alloc_plain:
-                return  # an instance's own allocate_slots, or a manager class with its own: leave it
-            self.watchable = kvm
-        _AdmissionWatch._kvm.__set__(self.watch, kvm)
-        sched.kv_cache_manager = self.watch
-        self.armed = sched
+    def may_watch(self, kvm: Any) -> bool:
+        """May the watch stand in for this KVCacheManager (asked once per manager; the wrapper of
+        `_handle_blocked_waiting_request` arms it)? Not when the manager has its own allocate_slots (an
+        instance attribute, or a class with its own method): that one would be bypassed."""
+        if getattr(kvm.allocate_slots, "__func__", None) is not self.alloc_plain:
+            return False
+        self.watchable = kvm
+        return True
 
     def disarm_admission(self) -> None:
         sched, self.armed = self.armed, None
