@@ -213,11 +213,13 @@ static PyObject *s_request_id, *s_request, *s_step, *s_block_id, *s_block_hash, 
 typedef struct {
     PyTypeObject *type;
     Py_ssize_t offset;
+    int tried; /* slot_get_lazy: the first object's type was looked at */
 } SlotRef;
 
 static void slot_ref_init(SlotRef *r, PyObject *obj, PyObject *name) {
     Py_CLEAR(r->type);
     r->offset = -1;
+    r->tried = 1;
     PyObject *d = PyObject_GetAttr((PyObject *)Py_TYPE(obj), name); /* a member descriptor: itself */
     if (d == NULL) {
         PyErr_Clear();
@@ -241,6 +243,15 @@ static inline PyObject *slot_get(SlotRef *r, PyObject *obj, PyObject *name) {
             return Py_NewRef(v);
     }
     return PyObject_GetAttr(obj, name);
+}
+
+/* slot_get for objects whose type is known only at the first read (vLLM's KVCacheBlock: a
+   `dataclass(slots=True)`, so `block_id` and `_block_hash` are slots; a version without slots gets
+   PyObject_GetAttr). */
+static inline PyObject *slot_get_lazy(SlotRef *r, PyObject *obj, PyObject *name) {
+    if (!r->tried)
+        slot_ref_init(r, obj, name);
+    return slot_get(r, obj, name);
 }
 
 /* Which argument of a code object names the request: the index of `request_id`, else of `request`,
@@ -401,6 +412,9 @@ typedef struct {
     PyObject *fallback_fn; /* the Python caller_request_id, where frames cannot be read here */
     PyObject *hash_attr;   /* the KVCacheBlock attribute that holds its hash (str) */
     SlotRef ctx_step, ctx_request_id; /* ctx.step, ctx.request_id read directly (EngineContext slots) */
+    SlotRef block_id, block_hash; /* a KVCacheBlock's block_id and hash attribute (hash_attr) */
+    PyObject *pool_ref, *null_block; /* a weak reference to the last BlockPool seen by free/touch, and
+                                        its null block (a strong reference would keep a dropped pool) */
     int in_alloc;          /* inside get_new_blocks: evictions wait for the allocation's row */
     Buf pend_ids, pend_hashes;
     Py_ssize_t rows;
@@ -491,9 +505,10 @@ static int block_row(BlockLog *self, int64_t t, int event, int32_t group, PyObje
     return 0;
 }
 
-/* Append the ids of `blocks` (KVCacheBlock objects) to `ids`, leaving out `skip` (the null block);
-   returns how many, or -1. */
-static Py_ssize_t put_block_ids(Buf *ids, PyObject *blocks, PyObject *skip) {
+/* Append the ids of `blocks` (KVCacheBlock objects) to the log's `ids`, leaving out `skip` (the null
+   block); returns how many, or -1. */
+static Py_ssize_t put_block_ids(BlockLog *self, PyObject *blocks, PyObject *skip) {
+    Buf *ids = &self->ids;
     PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
     if (seq == NULL)
         return -1;
@@ -504,7 +519,7 @@ static Py_ssize_t put_block_ids(Buf *ids, PyObject *blocks, PyObject *skip) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (items[i] == skip)
             continue;
-        PyObject *v = PyObject_GetAttr(items[i], s_block_id);
+        PyObject *v = slot_get_lazy(&self->block_id, items[i], s_block_id);
         if (v == NULL)
             goto error;
         long id = PyLong_AsLong(v);
@@ -564,6 +579,10 @@ static void BlockLog_dealloc(BlockLog *self) {
     Py_XDECREF(self->hash_attr);
     Py_CLEAR(self->ctx_step.type);
     Py_CLEAR(self->ctx_request_id.type);
+    Py_CLEAR(self->block_id.type);
+    Py_CLEAR(self->block_hash.type);
+    Py_CLEAR(self->pool_ref);
+    Py_CLEAR(self->null_block);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -598,7 +617,7 @@ static PyObject *BlockLog_alloc(BlockLog *self, PyObject *blocks) {
     }
     if (!err) {
         ids0 = self->ids.n;
-        Py_ssize_t k = put_block_ids(&self->ids, blocks, NULL);
+        Py_ssize_t k = put_block_ids(self, blocks, NULL);
         err = k < 0 || (k > 0 && block_row(self, t, EV_ALLOC, 0, rid, 0) < 0);
         if (k <= 0 || err)
             self->ids.n = ids0;
@@ -641,12 +660,18 @@ static PyObject *block_ids_row(BlockLog *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "expected (pool, blocks)");
         return NULL;
     }
-    PyObject *null = PyObject_GetAttr(args[0], s_null_block);
-    if (null == NULL)
-        return NULL;
+    if (self->pool_ref == NULL || PyWeakref_GET_OBJECT(self->pool_ref) != args[0]) {
+        /* A pool's null block never changes: read it once per pool. */
+        PyObject *null = PyObject_GetAttr(args[0], s_null_block);
+        if (null == NULL)
+            return NULL;
+        Py_XSETREF(self->null_block, null);
+        Py_XSETREF(self->pool_ref, PyWeakref_NewRef(args[0], NULL));
+        if (self->pool_ref == NULL)
+            PyErr_Clear(); /* a pool without weak references: read its null block every time */
+    }
     Py_ssize_t before = self->ids.n;
-    Py_ssize_t k = put_block_ids(&self->ids, args[1], null);
-    Py_DECREF(null);
+    Py_ssize_t k = put_block_ids(self, args[1], self->null_block);
     if (k < 0)
         return NULL;
     if (k == 0) {
@@ -692,7 +717,7 @@ static PyObject *BlockLog_cache(BlockLog *self, PyObject *const *args, Py_ssize_
     Py_ssize_t ids0 = self->ids.n, hashes0 = self->hashes.n, k = 0;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = lo; i < hi; i++) {
-        PyObject *key = PyObject_GetAttr(items[i], self->hash_attr);
+        PyObject *key = slot_get_lazy(&self->block_hash, items[i], self->hash_attr);
         if (key == NULL)
             goto error;
         if (key == Py_None) {
@@ -702,7 +727,7 @@ static PyObject *BlockLog_cache(BlockLog *self, PyObject *const *args, Py_ssize_
         int64_t h;
         int bad = hash64(key, &h) < 0;
         Py_DECREF(key);
-        PyObject *v = bad ? NULL : PyObject_GetAttr(items[i], s_block_id);
+        PyObject *v = bad ? NULL : slot_get_lazy(&self->block_id, items[i], s_block_id);
         if (v == NULL)
             goto error;
         long id = PyLong_AsLong(v);

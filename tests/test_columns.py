@@ -137,6 +137,30 @@ def test_block_log_rows(kind):
     assert log.rows == 0 and log.take() is None
 
 
+class PlainBlock:  # a block type without __slots__ (the native log reads its attributes generically)
+    def __init__(self, block_id, block_hash=None):
+        self.block_id, self.block_hash = block_id, block_hash
+
+
+@native_only
+def test_native_block_log_reads_blocks_of_any_type_and_each_pools_null_block():
+    """The native log reads a slots block's attributes at their offsets, learnt from the first block; a
+    block of another type, and a pool other than the last one (its own null block), still give their
+    rows."""
+    log = columns.NativeBlockLog(ctx, columns.caller_request_id)
+    other_null = PlainBlock(0)
+    other_pool = Pool(other_null)
+    ctx.step, ctx.request_id = 3, None
+    manager("r", log.touch, POOL, [NULL, Block(4), PlainBlock(5)])
+    manager("r", log.free, other_pool, [other_null, NULL, PlainBlock(6)])  # NULL is not this pool's
+    manager("r", log.touch, POOL, [NULL, Block(7)])
+    log.cache(Request("r"), [PlainBlock(8, H[0]), Block(9, H[1])], 0, 2, 0)
+    rows = table(log.take(), "block_events").to_pylist()
+    assert [(r["event"], r["block_ids"]) for r in rows] == [
+        ("touch", [4, 5]), ("free", [0, 6]), ("touch", [7]), ("cache", [8, 9])]
+    assert rows[3]["block_hashes"] == [int.from_bytes(k[:8], "little", signed=True) for k in H[:2]]
+
+
 @native_only
 def test_block_log_native_and_python_agree_on_time_and_size_limits():
     for cls in (columns.BlockLog, columns.NativeBlockLog):
