@@ -654,13 +654,31 @@ static PyObject *BlockLog_evict(BlockLog *self, PyObject *const *args, Py_ssize_
     return err ? NULL : due(self, t);
 }
 
+/* Is `pool` the pool whose null block the log holds? (Its weak reference; PyWeakref_GET_OBJECT is
+   deprecated from 3.13, which has PyWeakref_GetRef.) */
+static int is_last_pool(BlockLog *self, PyObject *pool) {
+    if (self->pool_ref == NULL)
+        return 0;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *last = NULL;
+    if (PyWeakref_GetRef(self->pool_ref, &last) <= 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(last); /* compared by address only; the caller holds `pool` */
+    return last == pool;
+#else
+    return PyWeakref_GET_OBJECT(self->pool_ref) == pool;
+#endif
+}
+
 /* free_blocks / touch of `blocks` on `pool`: one row of their ids without the null block. */
 static PyObject *block_ids_row(BlockLog *self, PyObject *const *args, Py_ssize_t nargs, int event) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "expected (pool, blocks)");
         return NULL;
     }
-    if (self->pool_ref == NULL || PyWeakref_GET_OBJECT(self->pool_ref) != args[0]) {
+    if (!is_last_pool(self, args[0])) {
         /* A pool's null block never changes: read it once per pool. */
         PyObject *null = PyObject_GetAttr(args[0], s_null_block);
         if (null == NULL)
