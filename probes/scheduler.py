@@ -137,7 +137,7 @@ class SchedulerProbe(Probe):
         # wrapper costs an argument tuple, a dict and a C-level call each time). Each body names
         # vLLM's own parameters (checked by `targets()`); `{call}` calls the original.
         self.env = env = {"probe": self, "ctx": ctx, "_now": _now, "num_blocks": _num_blocks,
-                          "set_watched": _AdmissionWatch._kvm.__set__}
+                          "set_watched": _set_watched}
         patch_exact(self, Scheduler, {
             "schedule": """
     if not probe.enabled:
@@ -262,7 +262,7 @@ class SchedulerProbe(Probe):
         sched, self.armed = self.armed, None
         if sched.kv_cache_manager is self.watch:
             sched.kv_cache_manager = self.watch._kvm
-        _AdmissionWatch._kvm.__set__(self.watch, None)
+        _set_watched(self.watch, None)
 
     def uninstall(self) -> None:
         if getattr(self, "armed", None) is not None:
@@ -542,6 +542,9 @@ class _AdmissionWatch:
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._kvm, name, value)
 
+
+# Sets the watch's own `_kvm` slot (its __setattr__ forwards every name to the manager).
+_set_watched = _AdmissionWatch._kvm.__set__
 
 # vLLM's finished RequestStatus -> our name of its FinishReason ("stop", "length", ...), made once per
 # status: vLLM derives the reason from the status alone (RequestStatus.get_finished_reason).
