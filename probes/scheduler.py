@@ -71,8 +71,8 @@ class SchedulerProbe(Probe):
         self.req_events = self.rec.buffer("request_events")
         self.preempts = self.rec.buffer("preemptions")
         self.pins = self.rec.buffer("pins")
-        self.token_rows = self.rec.buffer("request_tokens")
-        self.record_tokens = bool(self.options.get("record_tokens"))
+        # Prompt and output token ids: only when the user asked (--record-tokens); None otherwise.
+        self.token_rows = self.rec.buffer("request_tokens") if self.options.get("record_tokens") else None
         self.pending_steps: dict[int, list] = {}  # step -> row awaiting update_from_output
         self.decode_log = decode_log()
         self.awaiting_first_token: set[str] = set()
@@ -119,8 +119,8 @@ class SchedulerProbe(Probe):
         self.patch(EngineCore, "shutdown", shutdown)
         # The kv-insuf watch (may_watch): a stand-in for the KVCacheManager whose allocate_slots
         # notes a failed admission, made once with vLLM's own parameters, and forwards to the real one.
-        self.alloc_plain = KVCacheManager.allocate_slots
-        watch_alloc = exact_wrapper(self.alloc_plain, """
+        alloc_plain = KVCacheManager.allocate_slots
+        watch_alloc = exact_wrapper(alloc_plain, """
     self = self._kvm  # the watch stands in for the real manager: call vLLM's method on that
     blocks = {call}
     sched = probe.armed
@@ -131,13 +131,16 @@ class SchedulerProbe(Probe):
     if blocks is None and request.status.name != "RUNNING":
         probe.kv_short = True
     return blocks""", {"probe": self})
-        self.watch = type("AdmissionWatch", (_AdmissionWatch,), {"allocate_slots": watch_alloc})()
+        # vLLM's own allocate_slots is kept on the watch's class (`plain`, for may_watch), not on the
+        # probe: CPython 3.11 keeps at most 29 instance attributes as inline values; with a 30th, every
+        # `probe.x` in the wrappers reads a materialised dict (test_probe_attributes_stay_inline_values).
+        self.watch = type("AdmissionWatch", (_AdmissionWatch,), {"allocate_slots": watch_alloc,
+                                                                  "plain": alloc_plain})()
         # The wrappers run once per step (schedule, update_from_output) or per request (the rest). As
         # `exact_wrapper`s, vLLM's calls through them stay specialised Python calls (a `*args, **kwargs`
         # wrapper costs an argument tuple, a dict and a C-level call each time). Each body names
         # vLLM's own parameters (checked by `targets()`); `{call}` calls the original.
-        self.env = env = {"probe": self, "ctx": ctx, "_now": _now, "num_blocks": _num_blocks,
-                          "set_watched": _set_watched}
+        env = self.wrapper_env()
         patch_exact(self, Scheduler, {
             "schedule": """
     if not probe.enabled:
@@ -220,6 +223,10 @@ class SchedulerProbe(Probe):
     return ready""",
         }, env)
 
+    def wrapper_env(self) -> dict:
+        """The names the Scheduler wrappers' bodies use besides vLLM's parameters."""
+        return {"probe": self, "ctx": ctx, "_now": _now, "num_blocks": _num_blocks, "set_watched": _set_watched}
+
     def after_update(self, sched: Any, step: int) -> None:
         """The step ends: its row, and the first tokens of the requests whose prefill completed in it."""
         if self.nvtx_on:
@@ -253,7 +260,7 @@ class SchedulerProbe(Probe):
         """May the watch stand in for this KVCacheManager (asked once per manager; the wrapper of
         `_handle_blocked_waiting_request` arms it)? Not when the manager has its own allocate_slots (an
         instance attribute, or a class with its own method): that one would be bypassed."""
-        if getattr(kvm.allocate_slots, "__func__", None) is not self.alloc_plain:
+        if getattr(kvm.allocate_slots, "__func__", None) is not type(self.watch).plain:
             return False
         self.watchable = kvm
         return True
@@ -415,7 +422,7 @@ class SchedulerProbe(Probe):
         self.req_events.append((arrival, ctx.step, rid, "arrival", request.num_prompt_tokens, None))
         self.req_events.append((t, ctx.step, rid, "queued", request.num_prompt_tokens, None))
         self.awaiting_first_token.add(rid)
-        if self.record_tokens:  # only when the user asked (--record-tokens)
+        if self.token_rows is not None:  # only when the user asked (--record-tokens)
             self.token_rows.append((t, rid, "prompt", list(request.prompt_token_ids or ())))
 
     def on_preempt(self, request: Any, computed_before: int, blocks: int) -> None:
@@ -440,7 +447,7 @@ class SchedulerProbe(Probe):
         self.awaiting_first_token.discard(rid)
         self.prefill_chunks.pop(rid, None)
         self.req_events.append((t, ctx.step, rid, "finished", request.num_output_tokens, reason_name))
-        if self.record_tokens:
+        if self.token_rows is not None:
             self.token_rows.append((t, rid, "output", list(request.output_token_ids)))
         # A connector may delay the free (request_finished returned True): the KV is held, and vLLM
         # keeps the request until `_free_blocks` (a request freed at once is gone from `requests`).
@@ -460,7 +467,7 @@ class SchedulerProbe(Probe):
         patch_exact(self, Scheduler, {
             "_free_blocks": before_call("probe.on_release({self}, request)",
                                         " and request.request_id in probe.held"),
-        }, self.env)
+        }, self.wrapper_env())
 
     def on_release(self, sched: Any, request: Any) -> None:
         rid = request.request_id

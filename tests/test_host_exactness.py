@@ -194,6 +194,36 @@ def test_free_blocks_is_wrapped_only_from_the_first_hold(drive):
     assert Scheduler.__dict__["_free_blocks"] is original
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="CPython's attribute specialisation is 3.11+")
+def test_probe_attributes_stay_inline_values(drive):
+    """The wrappers read `probe.enabled` (and the handlers their probe's other attributes) at every call.
+    CPython keeps an instance's attributes as inline values, read at a fixed index, only up to 29 of
+    them; a probe with more reads a dictionary at each access instead (LOAD_ATTR_WITH_HINT)."""
+    import dis
+
+    from kvtrace.probes import plugin
+
+    def read_enabled(probe):
+        return probe.enabled
+
+    forms = {}
+
+    def scenario(d):
+        d.add("A", list(range(100, 140)), 2)
+        out = d.run()
+        for probe in plugin._installed:
+            for _ in range(16):  # past CPython's warm-up, so the read is specialised
+                read_enabled(probe)
+            forms[probe.name] = [i.opname for i in dis.get_instructions(read_enabled, adaptive=True)
+                                 if i.opname.startswith("LOAD_ATTR")]
+            read_enabled.__code__ = read_enabled.__code__.replace()  # a fresh site for the next probe
+        return out
+
+    drive(DrivenConfig(num_blocks=64), scenario)
+    assert {"scheduler", "kv_blocks", "prefix_cache"} <= set(forms)
+    assert all(f == ["LOAD_ATTR_INSTANCE_VALUE"] for f in forms.values()), forms
+
+
 def test_one_preemption_rows(drive):
     session, steps_run = drive(PREEMPT_CFG, two_requests)
     assert steps_run == 16
