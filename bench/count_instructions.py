@@ -19,6 +19,18 @@ those intervals by the same factor, so each happens about as often per round as 
 Where the difference is: `callgrind_annotate --auto=no OUT.2-01` against `OUT.1-01` (mode 2 against
 mode 1, the scheduler's thread), function by function. Valgrind's `--cache-sim=yes` / `--branch-sim=yes`
 add cache misses and branch mispredictions per function (docs/performance.md, "Tenth session").
+
+Cache misses: the probes' extra *time* is ~3x what their instructions predict, and what accounts for it
+is memory, not instructions (docs/performance.md, "Thirteenth session"). Add a cache model whose last
+level is the core's own L2 (1 MB here, `lscpu -C`), so that its misses are the accesses that go to the
+shared L3 or beyond, and this script prints them per mode too:
+
+    ... valgrind --tool=callgrind ... --cache-sim=yes --I1=32768,8,64 --D1=49152,12,64 \
+        --LL=1048576,8,64 ... bench/count_instructions.py
+
+`callgrind_annotate --show=DLmr,DLmw,ILmr --sort=DLmr` then lists them by function. The simulated
+misses of the same round move by ~2% (~50 k a round) from run to run, so a change of the probes' ~550 k
+extra misses needs to be larger than that to show.
 """
 
 from __future__ import annotations
@@ -39,21 +51,28 @@ def control(*args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(os.getpid())], check=True, capture_output=True)
 
 
-def dumped_totals(out_file: str, part: int) -> dict[int, int]:
-    """Instructions per thread (callgrind's thread number) of dump `part` (with --separate-threads=yes,
-    callgrind writes OUT.PART-THREAD; without it, OUT.PART, counted as thread 1)."""
+def dumped_totals(out_file: str, part: int, event: str = "Ir") -> dict[int, int]:
+    """Counts of `event` (Ir: instructions; with a cache model also ILmr, DLmr, DLmw: last-level misses)
+    per thread (callgrind's thread number) of dump `part` (with --separate-threads=yes, callgrind writes
+    OUT.PART-THREAD; without it, OUT.PART, counted as thread 1); {} if the dump has no such event."""
     totals: dict[int, int] = {}
     for path in glob.glob(f"{out_file}.{part}-*") or glob.glob(f"{out_file}.{part}"):
         thread = int(path.rsplit("-", 1)[1]) if "-" in Path(path).name.rsplit(".", 1)[-1] else 1
+        events: list[str] = []
         for line in Path(path).read_text(errors="replace").splitlines():
-            if line.startswith("totals:"):
-                totals[thread] = int(line.split()[1])
+            if line.startswith("events:"):
+                events = line.split()[1:]
+            elif line.startswith("totals:") and event in events:
+                counts = line.split()[1:]  # callgrind leaves out trailing zeros
+                i = events.index(event)
+                totals[thread] = int(counts[i]) if i < len(counts) else 0
     return totals
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="off,all", help="comma-separated: off, all, or one host probe's name")
+    ap.add_argument("--modes", default="off,all",
+                    help="comma-separated: off, all, disabled (all installed, switched off), or one host probe's name")
     ap.add_argument("--slowdown", type=float, default=50.0, help="stretch the probes' clocks by this factor")
     ap.add_argument("--out", default="/tmp/kvt-cg.{pid}",
                     help="valgrind's --callgrind-out-file, with %%p written {pid} (to read the dumps back)")
@@ -71,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvtrace-count-") as tmp:
         rec = Recorder(Path(tmp) / "session", "engine", {"flush_interval_s": 0.5 * args.slowdown})
         for mode in args.modes.split(","):
-            names = () if mode == "off" else host.HOST_PROBES if mode == "all" else (mode,)
+            names = () if mode == "off" else host.HOST_PROBES if mode in ("all", "disabled") else (mode,)
             for counted in (False, True):
                 probes = host.install_probes(rec, names) if names else []
+                for probe in probes if mode == "disabled" else ():
+                    probe.enabled = False  # the wrappers in place, each returning through its first line
                 finish = rec.flush if names else None
                 start = gc.collect
                 if counted:  # the round's full collection before its window, then count the window only
@@ -89,21 +110,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mode {mode}: dumped", flush=True)
         rec.close()
     out_file = args.out.format(pid=os.getpid())
-    rows = [(mode, dumped_totals(out_file, part)) for part, mode in enumerate(args.modes.split(","), 1)]
+    modes = args.modes.split(",")
+    rows = [(mode, dumped_totals(out_file, part)) for part, mode in enumerate(modes, 1)]
     if not any(t for _, t in rows):
         print(f"no dumps found at {out_file}.*: run under valgrind --tool=callgrind (see --help)")
         return 1
+    print_table(f"instructions per round, millions (thread 1 = the scheduler's; the rest = the recorder's "
+                f"writer and any other thread), against {modes[0]}:", rows, 1e6, "M")
+    misses = [(mode, {t: sum(dumped_totals(out_file, part, ev).get(t, 0) for ev in ("ILmr", "DLmr", "DLmw"))
+                      for t in dumped_totals(out_file, part, "DLmr")}) for part, mode in enumerate(modes, 1)]
+    if any(t for _, t in misses):  # run with --cache-sim=yes
+        print_table(f"last-level cache misses per round (instruction reads + data reads + data writes), "
+                    f"thousands, against {modes[0]}:", misses, 1e3, "k")
+    return 0
+
+
+def print_table(title: str, rows: list[tuple[str, dict[int, int]]], unit: float, suffix: str) -> None:
     base = dict(rows[0][1])
     main_base, all_base = base.get(1, 0), sum(base.values())
-    print(f"\ninstructions per round, millions (thread 1 = the scheduler's; the rest = the recorder's writer "
-          f"and any other thread), against {rows[0][0]}:")
+    print(f"\n{title}")
     print("| mode | scheduler thread | other threads | all | over " + rows[0][0] + " |")
     print("|---|---|---|---|---|")
     for mode, totals in rows:
         main, total = totals.get(1, 0), sum(totals.values())
-        print(f"| {mode} | {main / 1e6:,.1f} ({(main - main_base) / 1e6:+,.1f}) | {(total - main) / 1e6:,.1f} | "
-              f"{total / 1e6:,.1f} | {(total - all_base) / 1e6:+,.1f} M ({(total / all_base - 1) * 100:+.2f}%) |")
-    return 0
+        print(f"| {mode} | {main / unit:,.1f} ({(main - main_base) / unit:+,.1f}) | {(total - main) / unit:,.1f} | "
+              f"{total / unit:,.1f} | {(total - all_base) / unit:+,.1f} {suffix} "
+              f"({(total / max(all_base, 1) - 1) * 100:+.2f}%) |")
 
 
 if __name__ == "__main__":
