@@ -202,15 +202,17 @@ def uninstall_probes(probes: list) -> None:
 
 
 def record_driven(session_dir: Any, model: str, cfg: DrivenConfig, scenario: Any,
-                  names: tuple[str, ...] = HOST_PROBES, keep_stats: bool = False) -> Any:
+                  names: tuple[str, ...] = HOST_PROBES, keep_stats: bool = False,
+                  options: dict | None = None) -> Any:
     """Run `scenario(driven)` on a fresh DrivenScheduler with the probes recording to `session_dir`
-    (a session without manifest, as the probes alone write it); returns the scenario's result."""
+    (a session without manifest, as the probes alone write it; `options` as KVTRACE_OPTIONS would give
+    them); returns the scenario's result."""
     from pathlib import Path
 
     from kvtrace.probes.context import ctx
     from kvtrace.recorder import Recorder
 
-    rec = Recorder(Path(session_dir), "engine", {})
+    rec = Recorder(Path(session_dir), "engine", dict(options or {}))
     d = DrivenScheduler(model, cfg, keep_stats=keep_stats)
     ctx.step, ctx.request_id = 0, None  # a fresh engine: no step scheduled yet (ctx is per process)
     probes = install_probes(rec, names)

@@ -194,6 +194,23 @@ def test_free_blocks_is_wrapped_only_from_the_first_hold(drive):
     assert Scheduler.__dict__["_free_blocks"] is original
 
 
+def test_token_ids_recorded_only_when_asked(tiny_model, tmp_path):
+    """No token ids in a trace unless the user asks (`kvtrace record --record-tokens`): then each request's
+    prompt and output token ids, once each."""
+    def scenario(d):
+        d.add("A", list(range(100, 140)), 3)
+        return d.run()
+
+    record_driven(tmp_path / "plain", tiny_model, DrivenConfig(num_blocks=64), scenario)
+    assert read_rows(tmp_path / "plain", "request_tokens") == []
+    record_driven(tmp_path / "asked", tiny_model, DrivenConfig(num_blocks=64), scenario,
+                  options={"record_tokens": True})
+    got = {(r["request_id"], r["kind"]): r for r in read_rows(tmp_path / "asked", "request_tokens")}
+    assert sorted(got) == [("A", "output"), ("A", "prompt")]
+    assert got["A", "prompt"]["token_ids"] == list(range(100, 140))
+    assert len(got["A", "output"]["token_ids"]) == 3
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="CPython's attribute specialisation is 3.11+")
 def test_probe_attributes_stay_inline_values(drive):
     """The wrappers read `probe.enabled` (and the handlers their probe's other attributes) at every call.
