@@ -51,21 +51,20 @@ def control(*args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(os.getpid())], check=True, capture_output=True)
 
 
-def dumped_totals(out_file: str, part: int, event: str = "Ir") -> dict[int, int]:
-    """Counts of `event` (Ir: instructions; with a cache model also ILmr, DLmr, DLmw: last-level misses)
-    per thread (callgrind's thread number) of dump `part` (with --separate-threads=yes, callgrind writes
-    OUT.PART-THREAD; without it, OUT.PART, counted as thread 1); {} if the dump has no such event."""
-    totals: dict[int, int] = {}
+def dumped_totals(out_file: str, part: int) -> dict[int, dict[str, int]]:
+    """Per thread (callgrind's thread number) of dump `part`, the count of each event it recorded (Ir:
+    instructions; with a cache model also ILmr, DLmr, DLmw: last-level misses). With
+    --separate-threads=yes callgrind writes OUT.PART-THREAD; without it, OUT.PART, counted as thread 1."""
+    totals: dict[int, dict[str, int]] = {}
     for path in glob.glob(f"{out_file}.{part}-*") or glob.glob(f"{out_file}.{part}"):
         thread = int(path.rsplit("-", 1)[1]) if "-" in Path(path).name.rsplit(".", 1)[-1] else 1
         events: list[str] = []
         for line in Path(path).read_text(errors="replace").splitlines():
             if line.startswith("events:"):
                 events = line.split()[1:]
-            elif line.startswith("totals:") and event in events:
-                counts = line.split()[1:]  # callgrind leaves out trailing zeros
-                i = events.index(event)
-                totals[thread] = int(counts[i]) if i < len(counts) else 0
+            elif line.startswith("totals:"):
+                counts = [int(c) for c in line.split()[1:]]  # callgrind leaves out trailing zeros
+                totals[thread] = {ev: counts[i] if i < len(counts) else 0 for i, ev in enumerate(events)}
     return totals
 
 
@@ -111,14 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         rec.close()
     out_file = args.out.format(pid=os.getpid())
     modes = args.modes.split(",")
-    rows = [(mode, dumped_totals(out_file, part)) for part, mode in enumerate(modes, 1)]
-    if not any(t for _, t in rows):
+    dumps = [(mode, dumped_totals(out_file, part)) for part, mode in enumerate(modes, 1)]
+    if not any(t for _, t in dumps):
         print(f"no dumps found at {out_file}.*: run under valgrind --tool=callgrind (see --help)")
         return 1
+    rows = [(mode, {t: c.get("Ir", 0) for t, c in per.items()}) for mode, per in dumps]
     print_table(f"instructions per round, millions (thread 1 = the scheduler's; the rest = the recorder's "
                 f"writer and any other thread), against {modes[0]}:", rows, 1e6, "M")
-    misses = [(mode, {t: sum(dumped_totals(out_file, part, ev).get(t, 0) for ev in ("ILmr", "DLmr", "DLmw"))
-                      for t in dumped_totals(out_file, part, "DLmr")}) for part, mode in enumerate(modes, 1)]
+    misses = [(mode, {t: c["ILmr"] + c["DLmr"] + c["DLmw"] for t, c in per.items() if "DLmr" in c})
+              for mode, per in dumps]
     if any(t for _, t in misses):  # run with --cache-sim=yes
         print_table(f"last-level cache misses per round (instruction reads + data reads + data writes), "
                     f"thousands, against {modes[0]}:", misses, 1e3, "k")
