@@ -131,11 +131,12 @@ class SchedulerProbe(Probe):
     if blocks is None and request.status.name != "RUNNING":
         probe.kv_short = True
     return blocks""", {"probe": self})
-        # vLLM's own allocate_slots is kept on the watch's class (`plain`, for may_watch), not on the
-        # probe: CPython 3.11 keeps at most 29 instance attributes as inline values; with a 30th, every
+        # vLLM's own allocate_slots is kept on the watch's class (for may_watch), under a name no
+        # manager attribute has (every name on the watch shadows the manager's), not on the probe:
+        # CPython 3.11 keeps at most 29 instance attributes as inline values; with a 30th, every
         # `probe.x` in the wrappers reads a materialised dict (test_probe_attributes_stay_inline_values).
-        self.watch = type("AdmissionWatch", (_AdmissionWatch,), {"allocate_slots": watch_alloc,
-                                                                  "plain": alloc_plain})()
+        self.watch = type("AdmissionWatch", (_AdmissionWatch,),
+                          {"allocate_slots": watch_alloc, "_kvtrace_vllm_allocate_slots": alloc_plain})()
         # The wrappers run once per step (schedule, update_from_output) or per request (the rest). As
         # `exact_wrapper`s, vLLM's calls through them stay specialised Python calls (a `*args, **kwargs`
         # wrapper costs an argument tuple, a dict and a C-level call each time). Each body names
@@ -260,7 +261,7 @@ class SchedulerProbe(Probe):
         """May the watch stand in for this KVCacheManager (asked once per manager; the wrapper of
         `_handle_blocked_waiting_request` arms it)? Not when the manager has its own allocate_slots (an
         instance attribute, or a class with its own method): that one would be bypassed."""
-        if getattr(kvm.allocate_slots, "__func__", None) is not type(self.watch).plain:
+        if getattr(kvm.allocate_slots, "__func__", None) is not type(self.watch)._kvtrace_vllm_allocate_slots:
             return False
         self.watchable = kvm
         return True
