@@ -46,6 +46,31 @@ static inline int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+/* ---- reading ints ------------------------------------------------------------------------------ */
+
+/* A Python int's value: loads for ints of at most two digits (60 bits: block ids, token counts, steps,
+   clock readings), where PyLong_AsLongLong is a call of ~25 instructions (~230 for two digits), made
+   once per block or row. -1 with an error set when it is not an int or does not fit. */
+static inline long long as_int64(PyObject *v) {
+#if PY_VERSION_HEX < 0x030C0000 /* 3.11's layout: ob_size is the signed count of 30-bit digits */
+    if (PyLong_CheckExact(v)) {
+        Py_ssize_t size = Py_SIZE(v);
+        if (size == 0)
+            return 0;
+        if (size == 1)
+            return (long long)((PyLongObject *)v)->ob_digit[0];
+        if (size == -1)
+            return -(long long)((PyLongObject *)v)->ob_digit[0];
+        if (size == 2 || size == -2) { /* 60 bits: monotonic-clock nanoseconds (days of uptime) */
+            const digit *d = ((PyLongObject *)v)->ob_digit;
+            long long x = (long long)d[0] | ((long long)d[1] << PyLong_SHIFT);
+            return size > 0 ? x : -x;
+        }
+    }
+#endif
+    return PyLong_AsLongLong(v);
+}
+
 /* ---- growable byte buffers ------------------------------------------------------------------- */
 
 /* Bytes held in a bytearray, so that take() hands the bytes to Arrow without a copy (a bytearray
@@ -458,7 +483,7 @@ static int64_t ctx_step(BlockLog *self) {
     PyObject *v = slot_get(&self->ctx_step, self->ctx, s_step);
     if (v == NULL)
         return -1;
-    int64_t step = PyLong_AsLongLong(v);
+    int64_t step = as_int64(v);
     Py_DECREF(v);
     return step;
 }
@@ -525,7 +550,7 @@ static Py_ssize_t put_block_ids(BlockLog *self, PyObject *blocks, PyObject *skip
         PyObject *v = slot_get_lazy(&self->block_id, items[i], s_block_id);
         if (v == NULL)
             goto error;
-        long id = PyLong_AsLong(v);
+        long id = (long)as_int64(v);
         Py_DECREF(v);
         if (id == -1 && PyErr_Occurred())
             goto error;
@@ -635,7 +660,7 @@ static PyObject *BlockLog_evict(BlockLog *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "evict(block_id, key)");
         return NULL;
     }
-    long id = PyLong_AsLong(args[0]);
+    long id = (long)as_int64(args[0]);
     int64_t h;
     if ((id == -1 && PyErr_Occurred()) || hash64(args[1], &h) < 0)
         return NULL;
@@ -751,7 +776,7 @@ static PyObject *BlockLog_cache(BlockLog *self, PyObject *const *args, Py_ssize_
         PyObject *v = bad ? NULL : slot_get_lazy(&self->block_id, items[i], s_block_id);
         if (v == NULL)
             goto error;
-        long id = PyLong_AsLong(v);
+        long id = (long)as_int64(v);
         Py_DECREF(v);
         if ((id == -1 && PyErr_Occurred()) || put_i32(&self->ids, (int32_t)id) < 0
             || put_i64(&self->hashes, h) < 0)
@@ -901,7 +926,7 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
             continue;
         }
         PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
-        long computed = PyLong_AsLong(PySequence_Fast_GET_ITEM(comps, i));
+        long computed = (long)as_int64(PySequence_Fast_GET_ITEM(comps, i));
         if (computed == -1 && PyErr_Occurred())
             goto error;
         long tokens = 1;
@@ -912,7 +937,7 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
                     PyErr_SetObject(PyExc_KeyError, rid);
                 goto error;
             }
-            tokens = PyLong_AsLong(v);
+            tokens = (long)as_int64(v);
             if (tokens == -1 && PyErr_Occurred())
                 goto error;
         }
@@ -1009,7 +1034,8 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Py_ssize_t ncols, rows, max_rows;
-    Column *cols;
+    Column *cols;  /* filled from `stage` at take_raw */
+    Buf stage;     /* the rows appended since the last take_raw, one record each (see stage_value) */
     Py_ssize_t bad_rows;  /* rows that did not fit the schema: counted, never stored */
     Py_ssize_t over_rows; /* rows past max_rows (a writer far behind): counted, never stored */
 } RowLog;
@@ -1032,7 +1058,7 @@ static int int_of(PyObject *v, char kind, int64_t *out) {
         PyErr_SetString(PyExc_TypeError, "not an int");
         return -1;
     }
-    long long x = PyLong_AsLongLong(v);
+    long long x = as_int64(v);
     if (x == -1 && PyErr_Occurred())
         return -1;
     int64_t lo = kind == 'b' ? INT8_MIN : kind == 'h' ? INT16_MIN : (kind == 'i' || kind == 'I') ? INT32_MIN : INT64_MIN;
@@ -1054,62 +1080,103 @@ static inline void store_int(Buf *b, char kind, int64_t x) {
     }
 }
 
-/* Column `c`'s value of row `row`; -1 (error set) when it does not fit. Leaves partial bytes on
-   error: the caller cuts every column back to the row's start. */
-static int column_put(Column *c, Py_ssize_t row, PyObject *v) {
-    int valid = v != Py_None;
-    if (buf_reserve(&c->valid, 1) < 0)
-        return -1;
-    switch (c->kind) {
+/* A RowLog keeps each appended row as one record in `stage`, row-major, and makes the columns at
+   take_raw. Writing the row's values into each column's buffers at append (as it first did) touched
+   ~4 cache lines per column (the Column's bookkeeping, the value and validity tails): ~100 lines for
+   a `steps` row, cold again by the next step. A staged row is one contiguous record (~3 lines for
+   `steps`), and the columns are made in one sequential pass at take_raw, which the recorder calls
+   from its writer thread, off the scheduler's.
+
+   A record: a uint64 null mask (bit j: column j is None), then each non-null value in column order:
+   an int64 for the integer kinds (range-checked at append), an int32 byte count and the UTF-8 bytes
+   for 's', an int32 item count and the items at the list's width for 'I' / 'Q'. */
+#define ROWLOG_MAX_COLUMNS 64
+
+/* Stage value `v` of column kind `kind`; -1 (error set) when it does not fit the column. */
+static int stage_value(Buf *s, char kind, PyObject *v) {
+    switch (kind) {
     case 's': {
         const char *u = NULL;
         Py_ssize_t k = 0;
-        if (valid && !PyUnicode_Check(v)) {
+        if (!PyUnicode_Check(v)) {
             PyErr_SetString(PyExc_TypeError, "not a str");
             return -1;
         }
-        if (str_text(v, &u, &k) < 0 || buf_reserve(&c->offsets, 8) < 0 || buf_reserve(&c->data, k) < 0)
+        if (str_text(v, &u, &k) < 0 || buf_reserve(s, 4 + k) < 0)
             return -1;
-        if (c->offsets.n == 0)
-            STORE(&c->offsets, int32_t, 0);
-        if (k) {
-            memcpy(c->data.p + c->data.n, u, k);
-            c->data.n += k;
+        if (k > INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "str too long");
+            return -1;
         }
-        STORE(&c->offsets, int32_t, c->data.n);
-        break;
+        STORE(s, int32_t, k);
+        memcpy(s->p + s->n, u, k);
+        s->n += k;
+        return 0;
     }
     case 'I': case 'Q': {
+        PyObject *seq = PySequence_Fast(v, "not a sequence");
+        if (seq == NULL)
+            return -1;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (n > INT32_MAX || buf_reserve(s, 4 + n * item_size(kind)) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_OverflowError, "list too long");
+            Py_DECREF(seq);
+            return -1;
+        }
+        STORE(s, int32_t, n);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t x;
+            if (int_of(PySequence_Fast_GET_ITEM(seq, i), kind, &x) < 0) {
+                Py_DECREF(seq);
+                return -1;
+            }
+            store_int(s, kind, x);
+        }
+        Py_DECREF(seq);
+        return 0;
+    }
+    default: {
+        int64_t x;
+        if (int_of(v, kind, &x) < 0 || buf_reserve(s, 8) < 0)
+            return -1;
+        STORE(s, int64_t, x);
+        return 0;
+    }
+    }
+}
+
+/* Column `c`'s value of row `row` from the staged record at `*at` (moved past it); -1 when out of
+   memory. Leaves partial bytes on error: the caller cuts every column back to the row's start. */
+static int column_from_stage(Column *c, Py_ssize_t row, int valid, const char **at) {
+    if (buf_reserve(&c->valid, 1) < 0)
+        return -1;
+    switch (c->kind) {
+    case 's': case 'I': case 'Q': {
+        Buf *items = c->kind == 's' ? &c->data : &c->values;
+        Py_ssize_t size = c->kind == 's' ? 1 : item_size(c->kind);
         if (buf_reserve(&c->offsets, 8) < 0)
             return -1;
         if (c->offsets.n == 0)
             STORE(&c->offsets, int32_t, 0);
         if (valid) {
-            PyObject *seq = PySequence_Fast(v, "not a sequence");
-            if (seq == NULL)
+            int32_t k;
+            memcpy(&k, *at, 4);
+            if (buf_put(items, *at + 4, k * size) < 0)
                 return -1;
-            Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), size = item_size(c->kind);
-            if (buf_reserve(&c->values, n * size) < 0) {
-                Py_DECREF(seq);
-                return -1;
-            }
-            for (Py_ssize_t i = 0; i < n; i++) {
-                int64_t x;
-                if (int_of(PySequence_Fast_GET_ITEM(seq, i), c->kind, &x) < 0) {
-                    Py_DECREF(seq);
-                    return -1;
-                }
-                store_int(&c->values, c->kind, x);
-            }
-            Py_DECREF(seq);
+            *at += 4 + k * size;
         }
-        STORE(&c->offsets, int32_t, c->values.n / item_size(c->kind));
+        STORE(&c->offsets, int32_t, items->n / size);
         break;
     }
     default: {
         int64_t x = 0;
-        if ((valid && int_of(v, c->kind, &x) < 0) || buf_reserve(&c->values, 8) < 0)
+        if (buf_reserve(&c->values, 8) < 0)
             return -1;
+        if (valid) {
+            memcpy(&x, *at, 8);
+            *at += 8;
+        }
         store_int(&c->values, c->kind, x);
     }
     }
@@ -1137,6 +1204,7 @@ static void rowlog_free_columns(RowLog *self) {
         buf_free(&self->cols[j].data);
         buf_free(&self->cols[j].valid);
     }
+    buf_free(&self->stage);
     self->rows = 0;
 }
 
@@ -1151,6 +1219,10 @@ static int RowLog_init(RowLog *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     Py_ssize_t n = (Py_ssize_t)strlen(kinds);
+    if (n > ROWLOG_MAX_COLUMNS) { /* a record's null mask is one uint64 */
+        PyErr_Format(PyExc_ValueError, "a RowLog keeps at most %d columns, not %zd", ROWLOG_MAX_COLUMNS, n);
+        return -1;
+    }
     for (Py_ssize_t j = 0; j < n; j++)
         if (!strchr("bhiqsIQ", kinds[j])) {
             PyErr_Format(PyExc_ValueError, "unknown column kind %c", kinds[j]);
@@ -1192,30 +1264,32 @@ static PyObject *RowLog_append(RowLog *self, PyObject *row) {
         self->bad_rows++;
         Py_RETURN_NONE;
     }
-    ColumnMark marks[64];
-    ColumnMark *m = self->ncols <= 64 ? marks : PyMem_Malloc(self->ncols * sizeof(ColumnMark));
-    if (m == NULL)
-        return PyErr_NoMemory();
-    Py_ssize_t j;
-    for (j = 0; j < self->ncols; j++) {
-        Column *c = &self->cols[j];
-        m[j] = (ColumnMark){c->values.n, c->offsets.n, c->data.n, c->valid.n};
+    Buf *s = &self->stage;
+    Py_ssize_t start = s->n, j;
+    uint64_t nulls = 0;
+    if (buf_reserve(s, 8) < 0) {
+        PyErr_Clear();
+        self->over_rows++;
+        Py_RETURN_NONE;
     }
-    for (j = 0; j < self->ncols; j++)
-        if (column_put(&self->cols[j], self->rows, PyTuple_GET_ITEM(row, j)) < 0)
+    s->n += 8; /* the null mask, written once the row is whole */
+    for (j = 0; j < self->ncols; j++) {
+        PyObject *v = PyTuple_GET_ITEM(row, j);
+        if (v == Py_None)
+            nulls |= (uint64_t)1 << j;
+        else if (stage_value(s, self->cols[j].kind, v) < 0)
             break;
-    if (j < self->ncols) { /* the row does not fit: cut every column back to where it was */
+    }
+    if (j < self->ncols) { /* the row does not fit: nothing of it stays */
         int oom = PyErr_ExceptionMatches(PyExc_MemoryError);
         PyErr_Clear();
-        for (Py_ssize_t i = 0; i < self->ncols; i++)
-            column_truncate(&self->cols[i], self->rows, m[i]);
+        s->n = start;
         self->bad_rows += !oom;
         self->over_rows += oom;
     } else {
+        memcpy(s->p + start, &nulls, 8);
         self->rows++;
     }
-    if (m != marks)
-        PyMem_Free(m);
     Py_RETURN_NONE;
 }
 
@@ -1240,10 +1314,40 @@ static PyObject *RowLog_extend(RowLog *self, PyObject *rows) {
     Py_RETURN_NONE;
 }
 
+/* Make the columns of the staged rows: one sequential pass over the records. Out of memory at a row,
+   the rows from there on are counted in over_rows, and the rows before it are kept whole. */
+static void rowlog_columns_from_stage(RowLog *self) {
+    const char *at = self->stage.p;
+    ColumnMark marks[ROWLOG_MAX_COLUMNS];
+    for (Py_ssize_t r = 0; r < self->rows; r++) {
+        uint64_t nulls;
+        memcpy(&nulls, at, 8);
+        at += 8;
+        Py_ssize_t j;
+        for (j = 0; j < self->ncols; j++) {
+            Column *c = &self->cols[j];
+            marks[j] = (ColumnMark){c->values.n, c->offsets.n, c->data.n, c->valid.n};
+        }
+        for (j = 0; j < self->ncols; j++)
+            if (column_from_stage(&self->cols[j], r, !((nulls >> j) & 1), &at) < 0)
+                break;
+        if (j < self->ncols) {
+            PyErr_Clear();
+            for (Py_ssize_t i = 0; i < self->ncols; i++)
+                column_truncate(&self->cols[i], r, marks[i]);
+            self->over_rows += self->rows - r;
+            self->rows = r;
+            break;
+        }
+    }
+    self->stage.n = 0; /* the stage's memory is kept for the next rows */
+}
+
 /* (rows, [per column: (validity, values, offsets, data)], bad_rows, over_rows), and an empty log. */
 static PyObject *RowLog_take_raw(RowLog *self, PyObject *unused) {
     if (self->cols == NULL)
         Py_RETURN_NONE;
+    rowlog_columns_from_stage(self);
     PyObject *cols = PyList_New(self->ncols);
     if (cols == NULL)
         return NULL;

@@ -447,11 +447,13 @@ positions = _columns.positions if _columns is not None else _positions
 
 if _columns is not None:
     class NativeRowLog(_columns.RowLog):
-        """A table's rows kept as columns as they are appended (`append(row_tuple)`, like a list's):
-        no tuple outlives its append, so holding rows until the writer's next flush puts nothing in
-        the garbage collector's way, and `take()` makes the Arrow batch from the columns' bytes
-        instead of converting Python objects. A row that does not fit the table's schema is counted,
-        not stored, and never raises into the probe that appended it."""
+        """A table's rows, appended as tuples (`append(row_tuple)`, like a list's) and kept in C as one
+        record each (row-major: an append writes a few contiguous cache lines, not the tail of every
+        column); `take()` (the recorder's writer thread) makes the columns in one pass and the Arrow
+        batch from their bytes instead of converting Python objects. No tuple outlives its append, so
+        holding rows until the writer's next flush puts nothing in the garbage collector's way. A row
+        that does not fit the table's schema is counted, not stored, and never raises into the probe
+        that appended it."""
 
         def __init__(self, table: str, kinds: str, max_rows: int) -> None:
             super().__init__(kinds, max_rows)

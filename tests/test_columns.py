@@ -373,6 +373,31 @@ def test_row_log_counts_rows_that_do_not_fit_and_keeps_the_others_whole():
     assert bad == 1 and batch.column("missed_hashes").to_pylist() == [[columns.hash64(H[0]), 5]]
 
 
+@native_only
+def test_row_log_stages_rows_and_keeps_its_limits():
+    """Rows staged between takes come out in order after many takes (the stage is reused), a null in
+    every column position is kept, and a log of more columns than a row's null mask holds is refused."""
+    from kvtrace.probes import _columns
+    from kvtrace.recorder import rows_to_batch
+
+    log = columns.row_log("request_events", max_rows=1 << 20)
+    for take in range(3):
+        rows = [(t, take, None if t % 3 else f"r{t}", "e" * (t % 5), None if t % 2 else t, None)
+                for t in range(1000 * take, 1000 * take + 700)]
+        log.extend(rows)
+        batch, bad, over = log.take()
+        assert (bad, over) == (0, 0) and batch.equals(rows_to_batch("request_events", rows))
+    # Ints of one, two and three 30-bit digits, either sign (the native log reads up to two directly).
+    edges = [0, 1, -1, 2**30 - 1, 2**30, -(2**30), 2**60 - 1, 2**60, -(2**60) + 1, -(2**60), 2**63 - 1, -(2**63)]
+    rows = [(x, ~x, "r", "e", None, None) for x in edges]
+    log.extend(rows)
+    batch, bad, over = log.take()
+    assert (bad, over) == (0, 0) and batch.equals(rows_to_batch("request_events", rows))
+    _columns.RowLog("q" * 64)
+    with pytest.raises(ValueError, match="at most 64 columns"):
+        _columns.RowLog("q" * 65)
+
+
 def test_recorder_counts_a_bad_row_as_dropped(tmp_path, capsys):
     """A probe's row that does not fit its table (a kvtrace bug) is dropped and counted, with or
     without the native logs, and the rest of the table is written."""
