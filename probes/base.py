@@ -235,3 +235,29 @@ def after_call(handler: str, condition: str = "") -> str:
         except Exception as exc:
             probe.fail(exc)
     return result"""
+
+
+def _len_of_field(self):  # the shape of vLLM's Request.num_tokens: `return len(self.<field>)`
+    return len(self.field)
+
+
+def is_len_of(cls: Any, prop: str, field: str) -> bool:
+    """Whether `cls.prop` is a property that returns `len(self.field)` and nothing else, as vLLM's
+    `Request.num_tokens` (`_all_token_ids`) and `num_output_tokens` (`_output_token_ids`) are. The
+    probes then read `len(request.field)`: CPython 3.11 does not specialise property reads, so each is
+    a generic lookup and a Python call made from C (~700 instructions, a few thousand a round in
+    bench/bench_host_probes.py), where the field's read is specialised."""
+    code = getattr(getattr(getattr(cls, prop, None), "fget", None), "__code__", None)
+    return (code is not None and code.co_code == _len_of_field.__code__.co_code
+            and code.co_names == ("len", field) and code.co_argcount == 1)
+
+
+def request_lengths_are_fields() -> bool:
+    """Whether vLLM's `Request.num_tokens` and `num_output_tokens` are `len()` of `_all_token_ids` and
+    `_output_token_ids` (`is_len_of`); False where vLLM's Request is not importable or differs."""
+    try:
+        from vllm.v1.request import Request
+    except Exception:
+        return False
+    return is_len_of(Request, "num_tokens", "_all_token_ids") and is_len_of(
+        Request, "num_output_tokens", "_output_token_ids")

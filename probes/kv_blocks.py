@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvtrace.probes.base import Probe, after_call, patch_exact
+from kvtrace.probes.base import Probe, after_call, patch_exact, request_lengths_are_fields
 from kvtrace.probes.columns import NATIVE_MISSING, block_log, hashes64, native
 from kvtrace.probes.context import ctx
 
@@ -172,6 +172,7 @@ class PrefixCacheProbe(Probe):
         # of tuples needs them converted here.
         raw_hashes = not isinstance(out, list)
         inject = self.options.get("inject_fault") == self.name
+        lens = request_lengths_are_fields()  # len(request._all_token_ids), not the property (base.is_len_of)
 
         def on_counted(kvm: Any, request: Any, num_hits: int) -> None:
             if not kvm.prefix_cache_lookup_enabled(request):
@@ -183,7 +184,7 @@ class PrefixCacheProbe(Probe):
             hash_block, block = sizes[1], sizes[2]
             hashes = request.block_hashes
             full = len(hashes)
-            query = request.num_tokens
+            query = len(request._all_token_ids) if lens else request.num_tokens
             missed = hashes[num_hits // hash_block:]
             out.append((_now(), ctx.step, request.request_id, query, num_hits, num_hits // block, full,
                         query - full * hash_block, missed if raw_hashes else list(hashes64(missed)),

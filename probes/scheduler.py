@@ -30,10 +30,18 @@ measured ~2% of a step). See bench/bench_host_probes.py.
 from __future__ import annotations
 
 import time
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Any
 
-from kvtrace.probes.base import Probe, after_call, before_call, exact_wrapper, patch_exact
+from kvtrace.probes.base import (
+    Probe,
+    after_call,
+    before_call,
+    exact_wrapper,
+    patch_exact,
+    request_lengths_are_fields,
+)
 from kvtrace.probes.columns import decode_log, positions
 from kvtrace.probes.context import ctx
 
@@ -65,6 +73,9 @@ class SchedulerProbe(Probe):
 
     def install_patches(self) -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
+
+        global _LENS
+        _LENS = request_lengths_are_fields()
 
         self.steps = self.rec.buffer("steps")
         self.step_reqs = self.rec.buffer("step_requests")
@@ -239,7 +250,7 @@ class SchedulerProbe(Probe):
             awaiting = self.awaiting_first_token
             for rid, req in due:
                 # Tokens the request holds after this update: it had none before this step.
-                n = req.num_output_tokens
+                n = len(req._output_token_ids) if _LENS else req.num_output_tokens
                 if n and rid in awaiting:
                     awaiting.discard(rid)
                     self.req_events.append((t, step, rid, "first_token", n, None))
@@ -389,7 +400,7 @@ class SchedulerProbe(Probe):
         """This prefill chunk's index; notes whether the request is still prefilling after it."""
         chunks = self.prefill_chunks
         chunk = chunks.get(rid, 0)
-        if req is not None and computed + tokens < req.num_tokens:
+        if req is not None and computed + tokens < (len(req._all_token_ids) if _LENS else req.num_tokens):
             chunks[rid] = chunk + 1
         else:  # the prompt (or the recompute) is complete: decode from the next step
             chunks.pop(rid, None)
@@ -431,7 +442,8 @@ class SchedulerProbe(Probe):
         rid = request.request_id
         self.preempted_this_step += 1
         self.prefill_chunks.pop(rid, None)  # the recompute is a new prefill, from chunk 0
-        self.preempts.append((t, ctx.step, rid, computed_before, blocks, request.num_output_tokens))
+        outputs = len(request._output_token_ids) if _LENS else request.num_output_tokens
+        self.preempts.append((t, ctx.step, rid, computed_before, blocks, outputs))
         self.req_events.append((t, ctx.step, rid, "preempted", computed_before, None))
 
     def on_finished(self, sched: Any, request: Any) -> None:
@@ -447,7 +459,8 @@ class SchedulerProbe(Probe):
         self.finished_in_update += 1
         self.awaiting_first_token.discard(rid)
         self.prefill_chunks.pop(rid, None)
-        self.req_events.append((t, ctx.step, rid, "finished", request.num_output_tokens, reason_name))
+        outputs = len(request._output_token_ids) if _LENS else request.num_output_tokens
+        self.req_events.append((t, ctx.step, rid, "finished", outputs, reason_name))
         if self.token_rows is not None:
             self.token_rows.append((t, rid, "output", list(request.output_token_ids)))
         # A connector may delay the free (request_finished returned True): the KV is held, and vLLM
@@ -554,6 +567,10 @@ class _AdmissionWatch:
 # Sets the watch's own `_kvm` slot (its __setattr__ forwards every name to the manager).
 _set_watched = _AdmissionWatch._kvm.__set__
 
+# Whether vLLM's Request.num_tokens / num_output_tokens are `len()` of its token-id lists (base.is_len_of):
+# the handlers then read the lists' lengths, not the properties. Set at install.
+_LENS = False
+
 # vLLM's finished RequestStatus -> our name of its FinishReason ("stop", "length", ...), made once per
 # status: vLLM derives the reason from the status alone (RequestStatus.get_finished_reason).
 _REASON_NAMES: dict = {}
@@ -573,5 +590,14 @@ def _block_ids(sched: Any, request_id: str) -> list[int]:
 
 
 def _num_blocks(sched: Any, request_id: str) -> int:
-    ids = _group0_ids(sched, request_id)
-    return len(ids) - ids.count(0)  # less the null block (id 0), without a list per preemption
+    """Blocks the request holds in KV-cache group 0, less the null block (id 0). Counted on vLLM's own
+    list (no KVCacheBlocks and id lists made per preemption, which cost ~250 Python opcodes each;
+    `list.count` would call the dataclass's `__eq__` per block); else through its public accessor."""
+    kvm = sched.kv_cache_manager
+    try:
+        blocks = kvm.coordinator.single_type_managers[0].req_to_blocks.get(request_id) or ()
+        null = kvm.block_pool.null_block
+    except Exception:  # another vLLM's layout
+        ids = _group0_ids(sched, request_id)
+        return len(ids) - ids.count(0)
+    return sum(map(is_not, blocks, repeat(null)))

@@ -241,6 +241,27 @@ def test_probe_attributes_stay_inline_values(drive):
     assert all(f == ["LOAD_ATTR_INSTANCE_VALUE"] for f in forms.values()), forms
 
 
+def test_request_lengths_are_read_from_vllms_lists_only_where_they_are_its_properties():
+    """The probes read len(request._all_token_ids) for num_tokens (and the output ids' for
+    num_output_tokens) only where vLLM's properties are exactly that; any other shape keeps the property."""
+    from vllm.v1.request import Request
+
+    from kvtrace.probes.base import is_len_of
+
+    assert is_len_of(Request, "num_tokens", "_all_token_ids")
+    assert is_len_of(Request, "num_output_tokens", "_output_token_ids")
+    assert not is_len_of(Request, "num_tokens", "_output_token_ids")  # another field
+    assert not is_len_of(Request, "num_tokens_with_spec", "_all_token_ids")  # more than one len()
+    assert not is_len_of(Request, "request_id", "_all_token_ids")  # not a property
+
+    class Other:
+        @property
+        def num_tokens(self):
+            return len(self._all_token_ids) - 1
+
+    assert not is_len_of(Other, "num_tokens", "_all_token_ids")
+
+
 def test_one_preemption_rows(drive):
     session, steps_run = drive(PREEMPT_CFG, two_requests)
     assert steps_run == 16
