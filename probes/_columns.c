@@ -1102,12 +1102,14 @@ static int stage_value(Buf *s, char kind, PyObject *v) {
             PyErr_SetString(PyExc_TypeError, "not a str");
             return -1;
         }
-        if (str_text(v, &u, &k) < 0 || buf_reserve(s, 4 + k) < 0)
+        if (str_text(v, &u, &k) < 0)
             return -1;
         if (k > INT32_MAX) {
             PyErr_SetString(PyExc_OverflowError, "str too long");
             return -1;
         }
+        if (buf_reserve(s, 4 + k) < 0)
+            return -1;
         STORE(s, int32_t, k);
         memcpy(s->p + s->n, u, k);
         s->n += k;
@@ -1343,11 +1345,16 @@ static void rowlog_columns_from_stage(RowLog *self) {
     self->stage.n = 0; /* the stage's memory is kept for the next rows */
 }
 
-/* (rows, [per column: (validity, values, offsets, data)], bad_rows, over_rows), and an empty log. */
+/* (rows, [per column: (validity, values, offsets, data)], bad_rows, over_rows), and an empty log.
+   The counts are reset before any Python object is made: making one may run the garbage collector,
+   and a finalizer may let the scheduler's thread append meanwhile. Such a row goes to the stage, which
+   the columns no longer read, and stays for the next take. */
 static PyObject *RowLog_take_raw(RowLog *self, PyObject *unused) {
     if (self->cols == NULL)
         Py_RETURN_NONE;
     rowlog_columns_from_stage(self);
+    Py_ssize_t rows = self->rows, bad = self->bad_rows, over = self->over_rows;
+    self->rows = self->bad_rows = self->over_rows = 0;
     PyObject *cols = PyList_New(self->ncols);
     if (cols == NULL)
         return NULL;
@@ -1361,9 +1368,7 @@ static PyObject *RowLog_take_raw(RowLog *self, PyObject *unused) {
         }
         PyList_SET_ITEM(cols, j, t);
     }
-    PyObject *out = Py_BuildValue("(nNnn)", self->rows, cols, self->bad_rows, self->over_rows);
-    self->rows = self->bad_rows = self->over_rows = 0;
-    return out;
+    return Py_BuildValue("(nNnn)", rows, cols, bad, over);
 }
 
 static PyObject *RowLog_clear(RowLog *self, PyObject *unused) {
