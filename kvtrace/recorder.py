@@ -178,8 +178,9 @@ class Recorder:
         self.options = options
         # Batches handed over whole (append_columns), and row tuples where there is no RowLog.
         self.buffers: dict[str, list] = {t: [] for t in schema.TABLES}
-        # Row tuples, kept as columns (None where the native logs are not built). Not for `drops`:
-        # the recorder's own record of losses, held back as tuples once writing has stopped.
+        # Row tuples, kept in C (staged row-major, made columns at the flush; None where the native logs
+        # are not built). Not for `drops`: the recorder's own record of losses, held back as tuples
+        # once writing has stopped.
         self.row_logs = {t: row_log(t, self.max_pending_rows) for t in schema.TABLES if t != "drops"}
         self._start()
         atexit.register(self.close)
