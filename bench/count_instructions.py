@@ -29,8 +29,9 @@ shared L3 or beyond, and this script prints them per mode too:
         --LL=1048576,8,64 ... bench/count_instructions.py
 
 `callgrind_annotate --show=DLmr,DLmw,ILmr --sort=DLmr` then lists them by function. The simulated
-misses of the same round move by ~2% (~50 k a round) from run to run, so a change of the probes' ~550 k
-extra misses needs to be larger than that to show.
+misses of the same round move by ~100 k (~4%) from run to run (the memory layout differs), so the
+difference of two modes moves by 100-200 k: compare changes per function (`RowLog_append`'s misses, say),
+not by the totals (docs/performance.md, "Fourteenth session").
 """
 
 from __future__ import annotations
