@@ -17,6 +17,7 @@ the process file (`proc.json`).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import signal
@@ -276,8 +277,10 @@ class Recorder:
         """Append rows given as whole columns (NumPy arrays, one per schema column): the bulk path for
         decoded device records, which would cost a Python tuple per row otherwise."""
         sch = schema.arrow_schema(table)
-        batch = pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type, memory_pool=WRITE_POOL)
-                                            for f in sch], schema=sch)
+        # Arrow arrays (the native logs' columns) are taken as they are; from_arrays checks their types.
+        batch = pa.RecordBatch.from_arrays([col if isinstance(col, pa.Array) else pa.array(col, type=t, memory_pool=WRITE_POOL)
+                                            for col, t in zip(map(cols.__getitem__, sch.names), _types(table))],
+                                           schema=sch)
         self.buffers[table].append(batch)  # a whole batch in the row list; the flush tells them apart
 
     # ---- bookkeeping ------------------------------------------------------------------------
@@ -471,6 +474,12 @@ class Recorder:
                 except OSError:
                     pass
             self._write_proc_file(status="complete")
+
+
+@functools.cache
+def _types(table: str) -> tuple[pa.DataType, ...]:
+    """The column types of `table`, read from its schema once (a field's `.type` is a new wrapper each time)."""
+    return tuple(f.type for f in schema.arrow_schema(table))
 
 
 def _row_count(rows: list) -> int:

@@ -32,9 +32,11 @@
 #endif
 #if PY_VERSION_HEX >= 0x030C0000
 #define KVT_T_OBJECT_EX Py_T_OBJECT_EX
+#define KVT_T_BOOL Py_T_BOOL
 #else
 #include <structmember.h>
 #define KVT_T_OBJECT_EX T_OBJECT_EX
+#define KVT_T_BOOL T_BOOL
 #endif
 #ifndef CO_FAST_CELL
 #define CO_FAST_CELL 0x40 /* pycore_code.h: a local that is also a cell */
@@ -488,9 +490,11 @@ static int64_t ctx_step(BlockLog *self) {
     return step;
 }
 
-/* The request a pool call is made for: the caller's argument, else ctx.request_id. New ref or None. */
-static PyObject *block_request(BlockLog *self) {
-    PyObject *rid = frame_request_id(1, 3, self->fallback_fn);
+/* The request a pool call is made for: the caller's argument, else ctx.request_id. New ref or None.
+   `skip`: Python frames above the current one that are not vLLM's caller (1 when a Python wrapper
+   calls the log, 0 from a BlockHook, which has no frame of its own). */
+static PyObject *block_request(BlockLog *self, int skip) {
+    PyObject *rid = frame_request_id(skip, 3, self->fallback_fn);
     if (rid != NULL)
         return rid;
     rid = slot_get(&self->ctx_request_id, self->ctx, s_request_id);
@@ -627,10 +631,10 @@ static PyObject *BlockLog_end_alloc(BlockLog *self, PyObject *unused) {
 }
 
 /* get_new_blocks returned `blocks`: the evictions it made (one row), then the allocation (one row). */
-static PyObject *BlockLog_alloc(BlockLog *self, PyObject *blocks) {
+static PyObject *log_alloc(BlockLog *self, PyObject *blocks, int skip) {
     self->in_alloc = 0;
     int64_t t = now_ns();
-    PyObject *rid = block_request(self);
+    PyObject *rid = block_request(self, skip);
     Py_ssize_t ids0 = self->ids.n, hashes0 = self->hashes.n;
     int err = 0;
     if (self->pend_ids.n) {
@@ -654,15 +658,13 @@ static PyObject *BlockLog_alloc(BlockLog *self, PyObject *blocks) {
     return err ? NULL : due(self, t);
 }
 
-/* _maybe_evict_cached_block evicted `block_id`, whose hash was `key`. */
-static PyObject *BlockLog_evict(BlockLog *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "evict(block_id, key)");
-        return NULL;
-    }
-    long id = (long)as_int64(args[0]);
+static PyObject *BlockLog_alloc(BlockLog *self, PyObject *blocks) { return log_alloc(self, blocks, 1); }
+
+/* _maybe_evict_cached_block evicted block `id_obj`, whose hash was `key`. */
+static PyObject *log_evict(BlockLog *self, PyObject *id_obj, PyObject *key, int skip) {
+    long id = (long)as_int64(id_obj);
     int64_t h;
-    if ((id == -1 && PyErr_Occurred()) || hash64(args[1], &h) < 0)
+    if ((id == -1 && PyErr_Occurred()) || hash64(key, &h) < 0)
         return NULL;
     if (self->in_alloc) {
         if (put_i32(&self->pend_ids, (int32_t)id) < 0 || put_i64(&self->pend_hashes, h) < 0)
@@ -670,7 +672,7 @@ static PyObject *BlockLog_evict(BlockLog *self, PyObject *const *args, Py_ssize_
         Py_RETURN_FALSE;
     }
     int64_t t = now_ns(); /* an eviction outside allocation (evict_blocks) */
-    PyObject *rid = block_request(self);
+    PyObject *rid = block_request(self, skip);
     Py_ssize_t ids0 = self->ids.n, hashes0 = self->hashes.n;
     int err = put_i32(&self->ids, (int32_t)id) < 0 || put_i64(&self->hashes, h) < 0
               || block_row(self, t, EV_EVICT, 0, rid, 1) < 0;
@@ -680,6 +682,14 @@ static PyObject *BlockLog_evict(BlockLog *self, PyObject *const *args, Py_ssize_
     }
     Py_DECREF(rid);
     return err ? NULL : due(self, t);
+}
+
+static PyObject *BlockLog_evict(BlockLog *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "evict(block_id, key)");
+        return NULL;
+    }
+    return log_evict(self, args[0], args[1], 1);
 }
 
 /* Is `pool` the pool whose null block the log holds? (Its weak reference; PyWeakref_GET_OBJECT is
@@ -701,31 +711,29 @@ static int is_last_pool(BlockLog *self, PyObject *pool) {
 }
 
 /* free_blocks / touch of `blocks` on `pool`: one row of their ids without the null block. */
-static PyObject *block_ids_row(BlockLog *self, PyObject *const *args, Py_ssize_t nargs, int event) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "expected (pool, blocks)");
-        return NULL;
-    }
-    if (!is_last_pool(self, args[0])) {
+static PyObject *block_ids_row(BlockLog *self, PyObject *pool, PyObject *blocks, int event, int skip) {
+    if (!is_last_pool(self, pool)) {
         /* A pool's null block never changes: read it once per pool. */
-        PyObject *null = PyObject_GetAttr(args[0], s_null_block);
+        PyObject *null = PyObject_GetAttr(pool, s_null_block);
         if (null == NULL)
             return NULL;
         Py_XSETREF(self->null_block, null);
-        Py_XSETREF(self->pool_ref, PyWeakref_NewRef(args[0], NULL));
+        Py_XSETREF(self->pool_ref, PyWeakref_NewRef(pool, NULL));
         if (self->pool_ref == NULL)
             PyErr_Clear(); /* a pool without weak references: read its null block every time */
     }
     Py_ssize_t before = self->ids.n;
-    Py_ssize_t k = put_block_ids(self, args[1], self->null_block);
-    if (k < 0)
+    Py_ssize_t k = put_block_ids(self, blocks, self->null_block);
+    if (k < 0) { /* the ids before the bad block are cut too, or the next row would take them */
+        self->ids.n = before;
         return NULL;
+    }
     if (k == 0) {
         self->ids.n = before;
         Py_RETURN_FALSE;
     }
     int64_t t = now_ns();
-    PyObject *rid = block_request(self);
+    PyObject *rid = block_request(self, skip);
     int err = block_row(self, t, event, 0, rid, 0) < 0;
     Py_DECREF(rid);
     if (err)
@@ -733,12 +741,20 @@ static PyObject *block_ids_row(BlockLog *self, PyObject *const *args, Py_ssize_t
     return err ? NULL : due(self, t);
 }
 
+static PyObject *pool_blocks_row(BlockLog *self, PyObject *const *args, Py_ssize_t nargs, int event) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "expected (pool, blocks)");
+        return NULL;
+    }
+    return block_ids_row(self, args[0], args[1], event, 1);
+}
+
 static PyObject *BlockLog_free(BlockLog *self, PyObject *const *args, Py_ssize_t nargs) {
-    return block_ids_row(self, args, nargs, EV_FREE);
+    return pool_blocks_row(self, args, nargs, EV_FREE);
 }
 
 static PyObject *BlockLog_touch(BlockLog *self, PyObject *const *args, Py_ssize_t nargs) {
-    return block_ids_row(self, args, nargs, EV_TOUCH);
+    return pool_blocks_row(self, args, nargs, EV_TOUCH);
 }
 
 /* cache_full_blocks(request, blocks, num_cached, num_full, group): blocks[num_cached:num_full] that
@@ -844,6 +860,327 @@ static PyTypeObject BlockLogType = {
     .tp_dealloc = (destructor)BlockLog_dealloc,
     .tp_methods = BlockLog_methods,
     .tp_getset = BlockLog_getset,
+};
+
+/* ---- BlockHook: a BlockPool method whose block_events rows are made in C ------------------------
+
+   A Python wrapper costs every pool call a Python frame of its own: its code, globals and the probe's
+   attributes are read again each time, cold after vLLM's own work in between, which is most of what a
+   call costs (callgrind's cache model, docs/performance.md). A BlockHook stands in the class instead:
+   a method descriptor (so vLLM's `pool.touch(blocks)` stays a method call with no bound method made)
+   whose call calls vLLM's function, then writes the row through the BlockLog functions above, with no
+   Python frame of its own. It reads vLLM's parameters by position or by keyword (their positions come
+   from the original's signature, columns.block_hook) and passes every argument on as given.
+
+   Like the Python wrappers (kv_blocks.py), which remain where this does not build: vLLM's own errors
+   propagate; an error of the log's hands the exception to `on_error` (Probe.fail, which switches the
+   probe, and so every hook of it, off) and vLLM's result is returned; `on_full` (Probe.take) runs
+   when the log says it is time to hand its rows over; `before` (a test's fault injection) runs
+   before a get_new_blocks row is made. */
+
+enum { HK_ALLOC, HK_FREE, HK_TOUCH, HK_CACHE, HK_EVICT };
+static const char *const HOOK_KINDS[] = {"alloc", "free", "touch", "cache", "evict", NULL};
+static const int HOOK_NPARAMS[] = {0, 1, 1, 5, 1};
+#define HOOK_MAX_PARAMS 5
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *orig, *log, *on_full, *on_error, *before, *dict;
+    int kind;
+    char enabled;
+    Py_ssize_t pos[HOOK_MAX_PARAMS]; /* the parameters' positions in vLLM's signature (self is 0) */
+    PyObject *names[HOOK_MAX_PARAMS]; /* and their names, for keyword arguments */
+} BlockHook;
+
+/* Parameter `i` of the call, by position or keyword; NULL (no error) when not given. */
+static PyObject *hook_arg(BlockHook *h, int i, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if (h->pos[i] < nargs)
+        return args[h->pos[i]];
+    if (kwnames != NULL) {
+        /* Keyword names are interned, as ours are: compare addresses first, text only if none is ours. */
+        Py_ssize_t nk = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t k = 0; k < nk; k++)
+            if (PyTuple_GET_ITEM(kwnames, k) == h->names[i])
+                return args[nargs + k];
+        for (Py_ssize_t k = 0; k < nk; k++)
+            if (PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, k), h->names[i]) == 0)
+                return args[nargs + k];
+    }
+    return NULL;
+}
+
+/* The log raised (an exception is set): hand it to on_error, switch this hook off, clear it. An
+   exception that is not an Exception (KeyboardInterrupt) stays set, as a Python wrapper's would. */
+static int hook_fault(BlockHook *h) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    h->enabled = 0;
+    PyObject *r = value ? PyObject_CallOneArg(h->on_error, value) : NULL;
+    if (r == NULL)
+        PyErr_Clear();
+    Py_XDECREF(r);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    return 0;
+}
+
+/* After a log call that returned `due` (new reference, or NULL with an exception): hand the rows over
+   when due. Returns -1 only for an exception that must reach vLLM (see hook_fault). */
+static int hook_done(BlockHook *h, PyObject *due) {
+    if (due == NULL)
+        return hook_fault(h);
+    int now = due == Py_True;
+    Py_DECREF(due);
+    if (now) {
+        PyObject *r = PyObject_CallNoArgs(h->on_full);
+        if (r == NULL)
+            return hook_fault(h);
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+/* The result vLLM gets: `result` as it is, or NULL when hook_done asks for an exception to pass. */
+static PyObject *hook_return(PyObject *result, int status) {
+    if (status < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+static PyObject *hook_vectorcall(BlockHook *h, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (!h->enabled || nargs < 1)
+        return PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+    BlockLog *log = (BlockLog *)h->log;
+    PyObject *result;
+    switch (h->kind) {
+    case HK_ALLOC: {
+        log->in_alloc = 1; /* evictions inside wait for this allocation's row */
+        log->pend_ids.n = log->pend_hashes.n = 0;
+        result = PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+        if (result == NULL || !h->enabled) {
+            log->in_alloc = 0;
+            log->pend_ids.n = log->pend_hashes.n = 0;
+            return result;
+        }
+        if (h->before != NULL) {
+            PyObject *r = PyObject_CallNoArgs(h->before);
+            if (r == NULL) {
+                log->in_alloc = 0;
+                log->pend_ids.n = log->pend_hashes.n = 0;
+                return hook_return(result, hook_fault(h));
+            }
+            Py_DECREF(r);
+        }
+        return hook_return(result, hook_done(h, log_alloc(log, result, 0)));
+    }
+    case HK_EVICT: {
+        PyObject *block = hook_arg(h, 0, args, nargs, kwnames);
+        if (block == NULL)
+            return PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+        /* The hash before vLLM resets it. */
+        PyObject *key = slot_get_lazy(&log->block_hash, block, log->hash_attr);
+        if (key == NULL) {
+            if (hook_fault(h) < 0)
+                return NULL;
+            return PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+        }
+        result = PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+        int status = 0;
+        if (result != NULL && h->enabled) {
+            int evicted = result == Py_True ? 1 : result == Py_False ? 0 : PyObject_IsTrue(result);
+            if (evicted < 0) {
+                status = hook_fault(h);
+            } else if (evicted) {
+                PyObject *id = slot_get_lazy(&log->block_id, block, s_block_id);
+                status = id == NULL ? hook_fault(h) : hook_done(h, log_evict(log, id, key, 0));
+                Py_XDECREF(id);
+            }
+        }
+        Py_DECREF(key);
+        return result == NULL ? NULL : hook_return(result, status);
+    }
+    case HK_FREE: {
+        /* The blocks may come as a one-shot iterator: read them once, pass vLLM the list. */
+        PyObject *blocks = hook_arg(h, 0, args, nargs, kwnames);
+        if (blocks == NULL || PyList_CheckExact(blocks) || PyTuple_CheckExact(blocks)) {
+            result = PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+            if (result == NULL || blocks == NULL || !h->enabled)
+                return result;
+            return hook_return(result, hook_done(h, block_ids_row(log, args[0], blocks, EV_FREE, 0)));
+        }
+        PyObject *list = PySequence_List(blocks); /* vLLM's error, if any: as its own call would raise */
+        if (list == NULL)
+            return NULL;
+        Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+        PyObject **copy = PyMem_Malloc(total * sizeof(PyObject *));
+        if (copy == NULL) {
+            Py_DECREF(list);
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t k = 0; k < total; k++)
+            copy[k] = args[k] == blocks ? list : args[k];
+        result = PyObject_Vectorcall(h->orig, copy, nargs, kwnames);
+        PyMem_Free(copy);
+        int status = 0;
+        if (result != NULL && h->enabled)
+            status = hook_done(h, block_ids_row(log, args[0], list, EV_FREE, 0));
+        Py_DECREF(list);
+        return result == NULL ? NULL : hook_return(result, status);
+    }
+    case HK_TOUCH: {
+        result = PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+        PyObject *blocks = hook_arg(h, 0, args, nargs, kwnames);
+        if (result == NULL || blocks == NULL || !h->enabled)
+            return result;
+        return hook_return(result, hook_done(h, block_ids_row(log, args[0], blocks, EV_TOUCH, 0)));
+    }
+    case HK_CACHE: {
+        result = PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+        if (result == NULL || !h->enabled)
+            return result;
+        PyObject *given[5]; /* request, blocks, num_cached_blocks, num_full_blocks, kv_cache_group_id */
+        for (int i = 0; i < 5; i++) {
+            if ((given[i] = hook_arg(h, i, args, nargs, kwnames)) == NULL) {
+                PyErr_Format(PyExc_TypeError, "cache_full_blocks called without %U", h->names[i]);
+                return hook_return(result, hook_fault(h));
+            }
+        }
+        /* Only calls that cache blocks make a row (num_full_blocks > num_cached_blocks). */
+        int more = PyObject_RichCompareBool(given[3], given[2], Py_GT);
+        if (more < 0)
+            return hook_return(result, hook_fault(h));
+        if (!more)
+            return result;
+        return hook_return(result, hook_done(h, BlockLog_cache(log, given, 5)));
+    }
+    }
+    return PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+}
+
+/* BlockHook(kind, orig, log, positions, names, on_full, on_error, before=None) */
+static PyObject *BlockHook_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"kind", "orig", "log", "positions", "names", "on_full", "on_error", "before", NULL};
+    const char *kind;
+    PyObject *orig, *log, *positions, *names, *on_full, *on_error, *before = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOO!O!O!OO|O", kwlist, &kind, &orig, &BlockLogType, &log,
+                                     &PyTuple_Type, &positions, &PyTuple_Type, &names, &on_full, &on_error,
+                                     &before))
+        return NULL;
+    int k = 0;
+    while (HOOK_KINDS[k] != NULL && strcmp(HOOK_KINDS[k], kind) != 0)
+        k++;
+    if (HOOK_KINDS[k] == NULL) {
+        PyErr_Format(PyExc_ValueError, "unknown hook kind %s", kind);
+        return NULL;
+    }
+    Py_ssize_t n = HOOK_NPARAMS[k];
+    if (PyTuple_GET_SIZE(positions) != n || PyTuple_GET_SIZE(names) != n) {
+        PyErr_Format(PyExc_ValueError, "a %s hook reads %zd parameters", kind, n);
+        return NULL;
+    }
+    BlockHook *h = (BlockHook *)type->tp_alloc(type, 0);
+    if (h == NULL)
+        return NULL;
+    h->vectorcall = (vectorcallfunc)hook_vectorcall;
+    h->kind = k;
+    h->enabled = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        h->pos[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(positions, i));
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        if ((h->pos[i] < 1 && PyErr_Occurred()) || !PyUnicode_Check(name)) {
+            PyErr_SetString(PyExc_ValueError, "positions are ints >= 1, names are str");
+            Py_DECREF(h);
+            return NULL;
+        }
+        Py_INCREF(name);
+        PyUnicode_InternInPlace(&name);
+        h->names[i] = name;
+    }
+    h->orig = Py_NewRef(orig);
+    h->log = Py_NewRef(log);
+    h->on_full = Py_NewRef(on_full);
+    h->on_error = Py_NewRef(on_error);
+    h->before = before == Py_None ? NULL : Py_NewRef(before);
+    return (PyObject *)h;
+}
+
+static int BlockHook_traverse(BlockHook *h, visitproc visit, void *arg) {
+    Py_VISIT(h->orig);
+    Py_VISIT(h->log);
+    Py_VISIT(h->on_full);
+    Py_VISIT(h->on_error);
+    Py_VISIT(h->before);
+    Py_VISIT(h->dict);
+    return 0;
+}
+
+static int BlockHook_clear(BlockHook *h) {
+    h->enabled = 0;
+    Py_CLEAR(h->orig);
+    Py_CLEAR(h->log);
+    Py_CLEAR(h->on_full);
+    Py_CLEAR(h->on_error);
+    Py_CLEAR(h->before);
+    Py_CLEAR(h->dict);
+    for (int i = 0; i < HOOK_MAX_PARAMS; i++)
+        Py_CLEAR(h->names[i]);
+    return 0;
+}
+
+static PyObject *BlockHook_call(BlockHook *h, PyObject *args, PyObject *kw) {
+    if (h->orig == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "BlockHook cleared");
+        return NULL;
+    }
+    return PyVectorcall_Call((PyObject *)h, args, kw);
+}
+
+static void BlockHook_dealloc(BlockHook *h) {
+    PyObject_GC_UnTrack(h);
+    BlockHook_clear(h);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+/* Read from a class (BlockPool.touch): the hook itself; from an instance: a bound method. */
+static PyObject *BlockHook_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *BlockHook_repr(BlockHook *h) {
+    return PyUnicode_FromFormat("<kvtrace BlockHook %s of %R>", HOOK_KINDS[h->kind], h->orig);
+}
+
+static PyMemberDef BlockHook_members[] = {
+    {"enabled", KVT_T_BOOL, offsetof(BlockHook, enabled), 0, "rows are made (False: calls go straight to vLLM's)"},
+    {NULL}};
+
+static PyTypeObject BlockHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtrace.probes._columns.BlockHook",
+    .tp_basicsize = sizeof(BlockHook),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "a BlockPool method that records block_events rows in C (see columns.block_hook)",
+    .tp_new = BlockHook_new,
+    .tp_dealloc = (destructor)BlockHook_dealloc,
+    .tp_traverse = (traverseproc)BlockHook_traverse,
+    .tp_clear = (inquiry)BlockHook_clear,
+    .tp_call = (ternaryfunc)BlockHook_call,
+    .tp_descr_get = BlockHook_get,
+    .tp_repr = (reprfunc)BlockHook_repr,
+    .tp_members = BlockHook_members,
+    .tp_dictoffset = offsetof(BlockHook, dict),
+    .tp_vectorcall_offset = offsetof(BlockHook, vectorcall),
 };
 
 /* ---- DecodeLog: step_requests rows of decoding requests ------------------------------------ */
@@ -1452,7 +1789,8 @@ PyMODINIT_FUNC PyInit__columns(void) {
     s_null_block = PyUnicode_InternFromString("null_block");
     if (!s_request_id || !s_request || !s_step || !s_block_id || !s_block_hash || !s_null_block)
         return NULL;
-    if (PyType_Ready(&BlockLogType) < 0 || PyType_Ready(&DecodeLogType) < 0 || PyType_Ready(&RowLogType) < 0)
+    if (PyType_Ready(&BlockLogType) < 0 || PyType_Ready(&DecodeLogType) < 0 || PyType_Ready(&RowLogType) < 0
+        || PyType_Ready(&BlockHookType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)
@@ -1460,6 +1798,7 @@ PyMODINIT_FUNC PyInit__columns(void) {
     if (PyModule_AddObjectRef(m, "BlockLog", (PyObject *)&BlockLogType) < 0
         || PyModule_AddObjectRef(m, "DecodeLog", (PyObject *)&DecodeLogType) < 0
         || PyModule_AddObjectRef(m, "RowLog", (PyObject *)&RowLogType) < 0
+        || PyModule_AddObjectRef(m, "BlockHook", (PyObject *)&BlockHookType) < 0
         || PyModule_AddIntConstant(m, "FRAMES_NATIVE",
 #if defined(KVT_FRAMES_311) || defined(KVT_FRAMES_PUBLIC)
                                    1

@@ -356,11 +356,18 @@ def _buffer(data: bytes) -> pa.Buffer:
 
 def _strings(n: int, parts: tuple) -> pa.Array:
     offsets, data, valid = parts
-    return pa.Array.from_buffers(pa.string(), n, [_buffer(valid), _buffer(offsets), _buffer(data)])
+    return pa.Array.from_buffers(STRING, n, [_buffer(valid), _buffer(offsets), _buffer(data)])
+
+
+# Arrow types made once: each pa.int64() (or a field's `.type`) makes a new Python wrapper, ~3,000
+# instructions in pyarrow, and the hand-overs ask for hundreds a second.
+INT16, INT32, INT64, STRING = pa.int16(), pa.int32(), pa.int64(), pa.string()
+LIST_INT32, LIST_INT64 = pa.list_(INT32), pa.list_(INT64)
+_WIDTH = {INT16: 2, INT32: 4, INT64: 8}
 
 
 def _fixed(type_: pa.DataType, data: bytes) -> pa.Array:
-    return pa.Array.from_buffers(type_, len(data) // type_.byte_width, [None, _buffer(data)])
+    return pa.Array.from_buffers(type_, len(data) // _WIDTH[type_], [None, _buffer(data)])
 
 
 try:
@@ -381,16 +388,15 @@ else:
             if raw is None:
                 return None
             n = raw["rows"]
-            lists = pa.list_(pa.int32()), pa.list_(pa.int64())
-            ids = _fixed(pa.int32(), raw["ids"])
-            hashes = _fixed(pa.int64(), raw["hashes"])
+            ids = _fixed(INT32, raw["ids"])
+            hashes = _fixed(INT64, raw["hashes"])
             return {
-                "ts_ns": _fixed(pa.int64(), raw["ts_ns"]), "step": _fixed(pa.int64(), raw["step"]),
+                "ts_ns": _fixed(INT64, raw["ts_ns"]), "step": _fixed(INT64, raw["step"]),
                 "event": _strings(n, raw["event"]),
-                "kv_group": _fixed(pa.int16(), raw["kv_group"]),
+                "kv_group": _fixed(INT16, raw["kv_group"]),
                 "request_id": _strings(n, raw["request_id"]),
-                "block_ids": pa.Array.from_buffers(lists[0], n, [None, _buffer(raw["ids_end"])], children=[ids]),
-                "block_hashes": pa.Array.from_buffers(lists[1], n, [_buffer(raw["hashed"]), _buffer(raw["hashes_end"])],
+                "block_ids": pa.Array.from_buffers(LIST_INT32, n, [None, _buffer(raw["ids_end"])], children=[ids]),
+                "block_hashes": pa.Array.from_buffers(LIST_INT64, n, [_buffer(raw["hashed"]), _buffer(raw["hashes_end"])],
                                                       children=[hashes]),
             }
 
@@ -402,9 +408,9 @@ else:
             if raw is None:
                 return None
             n = raw["rows"]
-            return decode_columns(n, _fixed(pa.int64(), raw["step"]), _strings(n, raw["request_id"]),
-                                  _fixed(pa.int32(), raw["computed_before"]), _fixed(pa.int32(), raw["tokens"]),
-                                  _fixed(pa.int32(), raw["new_blocks"]))
+            return decode_columns(n, _fixed(INT64, raw["step"]), _strings(n, raw["request_id"]),
+                                  _fixed(INT32, raw["computed_before"]), _fixed(INT32, raw["tokens"]),
+                                  _fixed(INT32, raw["new_blocks"]))
 
 
 # ---- any table's rows, appended as tuples (the recorder's buffers) ----------------------------------
@@ -460,6 +466,10 @@ if _columns is not None:
             from kvtrace import schema
 
             self.schema = schema.arrow_schema(table)
+            # Each column's (type, its list items' type or None, whether it is a string), read from the
+            # schema once: a field's `.type` makes a new Python wrapper at every read.
+            self.layout = [(f.type, f.type.value_type if pa.types.is_list(f.type) else None,
+                            pa.types.is_string(f.type)) for f in self.schema]
 
         def take(self) -> tuple[pa.RecordBatch | None, int, int]:
             """(the rows as one batch or None, rows that did not fit, rows past max_rows)."""
@@ -467,12 +477,12 @@ if _columns is not None:
             if not n:
                 return None, bad, over
             arrays = []
-            for field, (valid, values, offsets, data) in zip(self.schema, cols):
-                t = field.type
-                if pa.types.is_string(t):
+            for (t, item_type, is_string), (valid, values, offsets, data) in zip(self.layout, cols):
+                if is_string:
                     arrays.append(pa.Array.from_buffers(t, n, [_buffer(valid), _buffer(offsets), _buffer(data)]))
-                elif pa.types.is_list(t):
-                    items = _fixed(t.value_type, values)
+                elif item_type is not None:
+                    items = pa.Array.from_buffers(item_type, len(values) * 8 // item_type.bit_width,
+                                                  [None, _buffer(values)])
                     arrays.append(pa.Array.from_buffers(t, n, [_buffer(valid), _buffer(offsets)], children=[items]))
                 else:
                     arrays.append(pa.Array.from_buffers(t, n, [_buffer(valid), _buffer(values)]))
@@ -489,6 +499,30 @@ def block_log(hash_attr: str = "block_hash") -> Any:
     if _columns is not None:
         return NativeBlockLog(ctx, caller_request_id, BLOCK_FLUSH_ROWS, FLUSH_NS, hash_attr)
     return BlockLog(hash_attr=hash_attr)
+
+
+def block_hook(kind: str, orig: Any, log: Any, params: tuple[str, ...], on_full: Any, on_error: Any,
+               before: Any = None) -> Any:
+    """A native `BlockHook` standing in for the BlockPool method `orig` (`_columns.c`): vLLM's function is
+    called, then the `kind` row ("alloc", "free", "touch", "cache", "evict") is made in C, from the
+    parameters named in `params` (read by position or keyword). None where it cannot stand in: no native
+    module, a Python log, or a parameter it could miss (one with a default, or `*args`-style); the probe
+    then uses its Python wrapper, which does the same."""
+    import inspect
+
+    if _columns is None or not isinstance(log, _columns.BlockLog):
+        return None
+    try:
+        sig = list(inspect.signature(orig).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positions = []
+    for name in params:
+        p = next((p for p in sig if p.name == name), None)
+        if p is None or p.default is not p.empty or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            return None
+        positions.append(sig.index(p) if p.kind is p.POSITIONAL_OR_KEYWORD else sys.maxsize)
+    return _columns.BlockHook(kind, orig, log, tuple(positions), tuple(params), on_full, on_error, before)
 
 
 def decode_log() -> Any:

@@ -15,8 +15,13 @@ call every step (bench/bench_host_probes.py). `free_blocks` is attributed the sa
 (`SingleTypeKVCacheManager.free(request_id)`); frees with no request behind them (deferred frees,
 copy-on-write retentions) get none.
 
-Cost: the pool methods are wrapped by `exact_wrapper` (the original's own parameter list, so CPython
-keeps specialised calls), and each wrapper makes one call into the log after vLLM's method returns.
+Cost: where the native log is built, each pool method is replaced by a `BlockHook` (`_columns.c`), a
+method descriptor written in C that calls vLLM's function and then makes the row, with no Python frame
+of its own: per pool call, a Python wrapper's frame (its code, globals and the probe's attributes, cold
+again after vLLM's work in between) was most of the probe's cost. Elsewhere (no compiler,
+KVTRACE_NATIVE=0) the methods are wrapped by `exact_wrapper` (the original's own parameter list, so
+CPython keeps specialised calls), and each wrapper makes one call into the log after vLLM's method
+returns. Both make the same rows (tests/test_columns.py).
 
 `prefix_cache` patches `KVCacheManager.record_prefix_cache_stats`, where vLLM counts a lookup (at
 admission, with the tokens the local prefix cache hit): a lookup row is written when vLLM counts it, so
@@ -32,7 +37,7 @@ import time
 from typing import Any
 
 from kvtrace.probes.base import Probe, after_call, patch_exact, request_lengths_are_fields
-from kvtrace.probes.columns import NATIVE_MISSING, block_log, hashes64, native
+from kvtrace.probes.columns import NATIVE_MISSING, block_hook, block_log, hashes64, native
 from kvtrace.probes.context import ctx
 
 _now = time.monotonic_ns
@@ -132,7 +137,34 @@ class BlockPoolProbe(Probe):
                 probe.take()""", " and num_full_blocks > num_cached_blocks"),
         }
         bodies = {name: body.replace("{hash}", hash_attr) for name, body in bodies.items()}
+        # Where the native log is in use, a BlockHook (C) stands in for each method instead: the same
+        # rows with no Python frame per pool call (see columns.block_hook). Each method whose hook
+        # cannot be made (no native module, a parameter it could miss) keeps its Python wrapper.
+        self.hooks = []
+        hooked = {
+            "get_new_blocks": ("alloc", ()),
+            "free_blocks": ("free", ("ordered_blocks",)),
+            "touch": ("touch", ("blocks",)),
+            "cache_full_blocks": ("cache", ("request", "blocks", "num_cached_blocks", "num_full_blocks",
+                                            "kv_cache_group_id")),
+            "_maybe_evict_cached_block": ("evict", ("block",)),
+        }
+        for name, (kind, params) in hooked.items():
+            before = self.maybe_inject_fault if env["inject"] and kind == "alloc" else None
+            hook = block_hook(kind, getattr(BlockPool, name), log, params, self.take, self.fail, before)
+            if hook is not None:
+                self.hooks.append(hook)
+                self.patch(BlockPool, name, lambda _orig, hook=hook: hook)
+                del bodies[name]
         patch_exact(self, BlockPool, bodies, env)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The hooks (C) cannot read `enabled` cheaply: each keeps its own copy, set wherever the probe's is
+        # (install, fail, uninstall, a benchmark's "disabled" mode). Reads of `probe.enabled` stay plain.
+        object.__setattr__(self, name, value)
+        if name == "enabled":
+            for hook in getattr(self, "hooks", ()):
+                hook.enabled = bool(value)
 
     def take(self) -> None:
         """Hand the rows gathered so far to the recorder (one RecordBatch)."""

@@ -183,8 +183,109 @@ def test_block_log_errors_leave_whole_rows():
         log.cache(Request("r"), [Block(2, H[0]), object()], 0, 2, 0)
     with pytest.raises(TypeError):
         wrapper(log.evict, 5, [])  # an unhashable key
+    manager("r", log.free, POOL, [Block(3)])  # its row has its own ids only, none of the failed calls'
     rows = table(log.take(), "block_events").to_pylist()
-    assert [(r["event"], r["block_ids"]) for r in rows] == [("touch", [1])]
+    assert [(r["event"], r["block_ids"]) for r in rows] == [("touch", [1]), ("free", [3])]
+
+
+class HookedPool:
+    """vLLM's BlockPool methods as far as the hooks see them: their parameter names, their results, and
+    what they do to a block's hash (allocation evicts a cached block; caching sets hashes)."""
+
+    def __init__(self):
+        self.null_block = NULL
+        self.free_queue = [Block(5, H[0]), Block(6), Block(7, H[1])]
+        self.freed = None
+
+    def get_new_blocks(self, num_blocks):
+        if num_blocks > len(self.free_queue):
+            raise ValueError("Cannot get blocks")
+        out, self.free_queue = self.free_queue[:num_blocks], self.free_queue[num_blocks:]
+        for block in out:
+            self._maybe_evict_cached_block(block)
+        return out
+
+    def _maybe_evict_cached_block(self, block):
+        if block.block_hash is None:
+            return False
+        block.block_hash = None
+        return True
+
+    def free_blocks(self, ordered_blocks):
+        self.freed = ordered_blocks
+
+    def touch(self, blocks):
+        return None
+
+    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
+                          block_mask=None):
+        for i in range(num_cached_blocks, num_full_blocks):
+            blocks[i].block_hash = H[2 + i]
+
+
+def allocate_new_blocks(request_id, pool, n):  # a manager method: its `request_id` names the request
+    return pool.get_new_blocks(n)
+
+
+def free(request_id, pool, blocks):
+    return pool.free_blocks(blocks)
+
+
+@native_only
+def test_block_hooks_make_the_wrappers_rows_from_any_call_and_never_raise_their_own_errors(monkeypatch):
+    """A BlockHook (C) stands in for a BlockPool method: vLLM's function runs, then the row is made with no
+    Python frame of the hook's own, so the request is its caller's. Arguments may come by position or
+    keyword, the blocks to free as a one-shot iterator (vLLM then gets a list). vLLM's errors reach its
+    caller; the log's own go to on_error, which the hook calls once before it stops making rows."""
+    log = columns.block_log(hash_attr="block_hash")
+    taken, faults = [], []
+    params = {"alloc": ("get_new_blocks", ()), "evict": ("_maybe_evict_cached_block", ("block",)),
+              "free": ("free_blocks", ("ordered_blocks",)), "touch": ("touch", ("blocks",)),
+              "cache": ("cache_full_blocks", ("request", "blocks", "num_cached_blocks", "num_full_blocks",
+                                              "kv_cache_group_id"))}
+    hooks = {}
+    for kind, (name, names) in params.items():
+        hooks[kind] = columns.block_hook(kind, getattr(HookedPool, name), log, names, lambda: taken.append(1),
+                                         faults.append)
+        monkeypatch.setattr(HookedPool, name, hooks[kind])
+    pool = HookedPool()
+    ctx.step, ctx.request_id = 4, None
+    got = allocate_new_blocks("req-a", pool, 2)  # evicts block 5, allocates 5 and 6
+    assert [b.block_id for b in got] == [5, 6] and got[0].block_hash is None
+    with pytest.raises(ValueError, match="Cannot get blocks"):  # vLLM's own error: no row, nothing held
+        allocate_new_blocks("req-a", pool, 9)
+    HookedPool.touch(pool, [NULL, Block(3)])  # through the class: the pool is the first argument
+    blocks = [Block(8), Block(9), Block(10)]
+    pool.cache_full_blocks(request=Request("req-b"), blocks=blocks, num_cached_blocks=0, num_full_blocks=2,
+                           block_size=16, kv_cache_group_id=1)  # keywords only
+    pool.cache_full_blocks(Request("req-b"), blocks, 2, 2, 16, 0)  # nothing newly full: no row
+    free("req-b", pool, iter(blocks[:2]))
+    assert pool.freed == blocks[:2] and isinstance(pool.freed, list)
+    pool._maybe_evict_cached_block(Block(11, H[5]))  # outside an allocation: a row of its own
+    assert not taken and not faults
+
+    assert HookedPool.touch(pool, [Block(12), object()]) is None  # a block without an id: the log raises
+    assert len(faults) == 1 and isinstance(faults[0], AttributeError) and not hooks["touch"].enabled
+    HookedPool.touch(pool, [Block(13)])  # switched off: vLLM's call only
+    hooks["touch"].enabled = True  # (the probe switches every hook of it at once; see kv_blocks.py)
+    HookedPool.touch(pool, [Block(14)])
+
+    h = [int.from_bytes(k[:8], "little", signed=True) for k in H]
+    rows = table(log.take(), "block_events").to_pylist()
+    assert [(r["event"], r["kv_group"], r["request_id"], r["block_ids"], r["block_hashes"]) for r in rows] == [
+        ("evict", 0, "req-a", [5], [h[0]]),
+        ("alloc", 0, "req-a", [5, 6], None),
+        ("touch", 0, None, [3], None),
+        ("cache", 1, "req-b", [8, 9], [h[2], h[3]]),
+        ("free", 0, "req-b", [8, 9], None),
+        ("evict", 0, None, [11], [h[5]]),
+        ("touch", 0, None, [14], None),
+    ]
+    assert all(r["step"] == 4 for r in rows)
+
+    # No hook where a parameter it reads could be left out (a default), or for the Python log.
+    assert columns.block_hook("touch", lambda self, blocks=(): None, log, ("blocks",), list, list) is None
+    assert columns.block_hook("touch", lambda self, blocks: None, columns.BlockLog(), ("blocks",), list, list) is None
 
 
 def test_caller_request_id_reads_arguments_only():
