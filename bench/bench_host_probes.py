@@ -19,15 +19,21 @@ the recorder inside its timed window: the writer's work for that round's rows (A
 serialisation, the file writes) is charged to it. Before 2026-11-23 it was not, and the last ~0.5 s of
 each on-round's rows were written during the next off-round, which understated the overhead by ~3-4 points.
 The rounds run in `--processes` (5) processes one after the other, `--rounds` (6) each way per process
-after a warm-up, and the verdict is the median over processes: one process's figure moves by about
-+-2 points from one process to the next with the same code (an A/A run, no probes on either side,
-gave -2.4%, 0.0% and +1.8% on 2026-11-24), as much as the target itself. Prints each process's
+after a warm-up, in the order off, on, off, ..., on, off.
+
+The verdict: each on-round's CPU time against the mean of the off-rounds on either side of it (so a
+drift of the machine's speed over a few rounds cancels), the median of those figures over all processes,
+and a 95% interval for that median from a bootstrap that resamples processes, then their rounds. MET when
+the whole interval is at or under the target, MISSED when it is all over it (or a count differs from
+vLLM's, or a row was dropped), NOT RESOLVED when it spans the target: on this project's shared 2-core
+machines one process's figure moves by about +-2 points with the same code, as much as the target itself.
+The same rounds give an A/A figure (each off-round against the off-round two rounds earlier): what the
+machine's noise alone does to a ratio of rounds, printed next to the verdict. Also prints each process's
 figures, the rows recorded against what vLLM itself counted, drops, and a final table.
 
 Two clocks: wall-clock steps/s (what the issue asks for) and steps per CPU-second of the whole process
 (probes, and the recorder's writer thread, included). On a shared 2-core machine the wall clock mostly
-measures the neighbours; the CPU figure is the one to compare, and the paired figure (median over
-rounds of on/off CPU time of adjacent rounds) is the most robust. For attribution below the noise,
+measures the neighbours; the CPU figure is the one to compare. For attribution below the noise,
 count instructions instead: bench/count_instructions.py runs the same rounds under callgrind.
 """
 
@@ -128,7 +134,9 @@ def measure(args: argparse.Namespace, verbose: bool = True) -> dict:
     rec = Recorder(Path(tmp.name) / "session", "engine", {"flush_interval_s": args.flush_interval})
     results: dict[str, list[Counters]] = {"off": [], "on": []}
     expected = Counters()
-    for i, mode in enumerate(["off", "on"] * (args.rounds + 1)):
+    # off, on, off, on, ..., off: every measured on-round has an off-round on either side (ABA), so a
+    # drift of the machine's speed over a few rounds cancels out of its ratio.
+    for i, mode in enumerate(["off", "on"] * (args.rounds + 1) + ["off"]):
         probes = install_probes(rec, names) if mode == "on" else []
         _, c = run_round(model, cfg, prompts, args.concurrency, args.max_tokens,
                          finish=rec.flush if mode == "on" else None)
@@ -149,6 +157,13 @@ def measure(args: argparse.Namespace, verbose: bool = True) -> dict:
     def median_rate(mode: str, clock: str) -> float:
         return statistics.median(c.steps / getattr(c, clock) for c in results[mode])
 
+    offs, ons = results["off"], results["on"]
+    # Each on-round's CPU time over the mean of the off-rounds on either side; and, from the same rounds,
+    # each off-round over the one two rounds before it: an A/A figure, what the machine alone does to a
+    # ratio of rounds this far apart (it should be ~0).
+    aba = [on.cpu / ((a.cpu + b.cpu) / 2) * 100 - 100 for a, on, b in zip(offs, ons, offs[1:])]
+    aa = [b.cpu / a.cpu * 100 - 100 for a, b in zip(offs, offs[1:])]
+
     # Where the extra CPU goes: the probes' handlers on the scheduler's thread, and the recorder's
     # writing (Arrow conversion, IPC serialisation, file writes: its writer thread, plus the final
     # flush, which runs on the scheduler's thread), in ms per round (medians).
@@ -161,6 +176,7 @@ def measure(args: argparse.Namespace, verbose: bool = True) -> dict:
         "cpu_off": median_rate("off", "cpu"), "cpu_on": median_rate("on", "cpu"),
         # median over rounds of on/off CPU time of adjacent rounds
         "paired_pct": statistics.median(on.cpu / off.cpu for off, on in zip(results["off"], results["on"])) * 100 - 100,
+        "aba_pct": aba, "aa_pct": aa,
         "handlers_ms": extra(lambda c: c.main_cpu - c.finish_cpu),
         "writing_ms": extra(lambda c: c.cpu - c.main_cpu + c.finish_cpu),
         "off_cpu_ms": statistics.median(c.cpu for c in results["off"]) * 1e3,
@@ -170,6 +186,24 @@ def measure(args: argparse.Namespace, verbose: bool = True) -> dict:
                    ("preemptions", rows["preemptions"], expected.preemptions),
                    ("prefix_lookups", rows["prefix_lookups"], expected.lookups)],
     }
+
+
+def median_interval(groups: list[list[float]], draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+    """The median of all values, and a 95% interval for it: bootstrap resampling processes, then each
+    chosen process's rounds (rounds of one process share its memory layout, so they are not independent
+    draws; the processes are)."""
+    import random
+
+    rng = random.Random(seed)
+    values = [v for g in groups for v in g]
+    meds = []
+    for _ in range(draws):
+        sample = []
+        for g in rng.choices(groups, k=len(groups)):
+            sample.extend(rng.choices(g, k=len(g)))
+        meds.append(statistics.median(sample))
+    meds.sort()
+    return statistics.median(values), meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
 def overhead_pct(r: dict, clock: str) -> float:
@@ -232,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(r)
             print(f"  process {k}: off {r['cpu_off']:.1f} / on {r['cpu_on']:.1f} steps per CPU-s: "
                   f"{overhead_pct(r, 'cpu'):+.1f}% (paired {r['paired_pct']:+.1f}%), wall {overhead_pct(r, 'wall'):+.1f}%; "
-                  f"handlers {r['handlers_ms']:+.1f} ms, writing {r['writing_ms']:+.1f} ms a round", flush=True)
+                  f"handlers {r['handlers_ms']:+.1f} ms, writing {r['writing_ms']:+.1f} ms a round; "
+                  f"on against the offs either side {statistics.median(r['aba_pct']):+.1f}%, "
+                  f"A/A {statistics.median(r['aa_pct']):+.1f}%", flush=True)
 
     checks = [(name, sum(r["checks"][i][1] for r in runs), sum(r["checks"][i][2] for r in runs))
               for i, (name, _, _) in enumerate(runs[0]["checks"])]
@@ -263,10 +299,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nextra CPU per round (medians): probe handlers {handlers_ms:+.1f} ms "
           f"({handlers_ms / off_cpu_ms * 100:+.1f}% of an off-round), writing the rows {writing_ms:+.1f} ms "
           f"({writing_ms / off_cpu_ms * 100:+.1f}%)")
-    ok = cpu_ovh <= TARGET_PCT and drops == 0 and all(g == w for _, g, w in checks)
-    print(f"\ntarget <= {TARGET_PCT}% (CPU time per step, median over processes), 0 drops, every event recorded: "
-          f"{'MET' if ok else 'MISSED'}")
-    return 0 if ok else 1
+    est, lo, hi = median_interval([r["aba_pct"] for r in runs])
+    aa, aa_lo, aa_hi = median_interval([r["aa_pct"] for r in runs])
+    print(f"\nCPU overhead, each on-round against the off-rounds either side of it: median {est:+.1f}%, "
+          f"95% interval {lo:+.1f}% to {hi:+.1f}% ({sum(len(r['aba_pct']) for r in runs)} rounds)")
+    print(f"A/A, the same rounds' off against off: median {aa:+.1f}%, 95% interval {aa_lo:+.1f}% to {aa_hi:+.1f}% "
+          f"(what this machine's noise alone gives)")
+    exact = drops == 0 and all(g == w for _, g, w in checks)
+    # The verdict follows the interval: a median under the target with an interval that reaches over it
+    # is not a measurement of the target (on a shared machine the spread is often wider than the gap).
+    verdict = "MET" if exact and hi <= TARGET_PCT else "MISSED" if not exact or lo > TARGET_PCT else "NOT RESOLVED"
+    print(f"\ntarget <= {TARGET_PCT}% (CPU time per step: the 95% interval above), 0 drops, every event recorded: "
+          f"{verdict}" + (" (the interval spans the target: run again on a quieter machine, or with more "
+                           "--processes)" if verdict == "NOT RESOLVED" else ""))
+    return 0 if verdict == "MET" else 1
 
 
 def profile(args: argparse.Namespace) -> int:
