@@ -40,6 +40,13 @@ SHARD_SUFFIX = ".arrows"
 # align everything else (both tiny).
 KEEP_TABLES = ("drops", "clock_anchors")
 
+# proc.json is rewritten at a flush only when something in it other than the row counts changed (a
+# drop, a probe's status, a warning, the status) or this long after the last write (s): each write
+# (JSON of the whole document, a temporary file, a rename) cost ~0.5 ms, and the writer flushes twice a
+# second (bench_host_probes: ~0.25% of a scheduling step). The shards never wait for it: proc.json's
+# counts may lag them by this much, never lead them.
+PROC_REFRESH_S = 2.0
+
 
 class ShardWriter:
     """Appends RecordBatches of one table to rotating Arrow IPC stream files in one directory."""
@@ -208,6 +215,8 @@ class Recorder:
         self._stop = threading.Event()
         self.add_clock_anchor()
         self.status = "running"
+        self._proc_written_at = 0.0  # monotonic s of the last proc.json write
+        self._proc_dirty = False  # something other than the row counts changed since then
         self._write_proc_file(status=self.status)
         self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
         self._thread.start()
@@ -239,6 +248,7 @@ class Recorder:
         with self._lock:
             if not self._closed:
                 self.status = "flushed"  # everything so far is on disk; the process may die any moment
+                self._proc_dirty = True
                 self._flush_locked()
 
     def _after_fork(self) -> None:
@@ -290,16 +300,19 @@ class Recorder:
     def count_drop(self, table: str, n: int, cause: str) -> None:
         if n <= 0:
             return
+        self._proc_dirty = True
         per = self.dropped.setdefault(table, {})
         per[cause] = per.get(cause, 0) + n
         self.buffers["drops"].append((time.monotonic_ns(), table, n, cause))
 
     def set_probe_status(self, name: str, status: str, reason: str = "") -> None:
         self.info["probes"][name] = {"status": status, "reason": reason}
+        self._proc_dirty = True
 
     def warn(self, message: str) -> None:
         print(f"kvtrace: warning: {message} (pid {self.pid})", file=sys.stderr, flush=True)
         self.info.setdefault("warnings", []).append(message)
+        self._proc_dirty = True
 
     # ---- writer thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -365,7 +378,8 @@ class Recorder:
                 pass  # a rename that fails now is retried at the next flush or at close
         if self.max_size_bytes and self.stopped_reason is None:
             self._enforce_max_size()
-        self._write_proc_file(status=self.status)
+        if self._proc_dirty or time.monotonic() - self._proc_written_at >= PROC_REFRESH_S:
+            self._write_proc_file(status=self.status)
 
     def _stop_writing(self, cause: str, message: str) -> None:
         if self.stopped_reason is None:
@@ -440,6 +454,7 @@ class Recorder:
             pass  # proc.json still has the counts
 
     def _write_proc_file(self, status: str) -> None:
+        self._proc_written_at, self._proc_dirty = time.monotonic(), False
         doc = {
             "schema_version": schema.SCHEMA_VERSION,
             "role": self.role,

@@ -613,3 +613,39 @@ def test_admission_watch_forwards_every_attribute_to_the_manager():
     for _ in range(2):  # also once the forwarding property exists
         with pytest.raises(AttributeError):
             getattr(watch, "no_such_name")  # noqa: B009
+
+
+def test_proc_json_is_rewritten_when_more_than_its_counts_changed(tmp_path, monkeypatch):
+    """A flush rewrites proc.json only when something besides the row counts changed (a drop, a probe's
+    status, a warning) or PROC_REFRESH_S after the last write; its counts lag the shards, never lead."""
+    import json
+
+    from kvtrace import recorder as recorder_module
+    from kvtrace.recorder import Recorder
+
+    monkeypatch.setattr(recorder_module, "PROC_REFRESH_S", 3600.0)
+    rec = Recorder(tmp_path / "s", "engine", {"flush_interval_s": 3600})
+    proc = rec.dir / "proc.json"
+
+    def written(table):
+        return json.loads(proc.read_text())["rows_written"][table]
+
+    rec.flush()
+    rec.buffer("steps").append(tuple([1] + [None] * 21))
+    rec.flush()
+    assert written("steps") == 0 and rec.rows_written["steps"] == 1  # only a count changed: not rewritten
+    rec.set_probe_status("scheduler", "attached")
+    rec.flush()
+    assert written("steps") == 1 and json.loads(proc.read_text())["probes"]["scheduler"]["status"] == "attached"
+    rec.buffer("steps").append(tuple([2] + [None] * 21))
+    rec.count_drop("steps", 3, "buffer-cap")
+    rec.flush()
+    assert written("steps") == 2 and json.loads(proc.read_text())["dropped"] == {"steps": {"buffer-cap": 3}}
+    rec.buffer("steps").append(tuple([3] + [None] * 21))
+    monkeypatch.setattr(recorder_module, "PROC_REFRESH_S", 0.0)  # the refresh interval is over
+    rec.flush()
+    assert written("steps") == 3
+    rec.buffer("steps").append(tuple([4] + [None] * 21))
+    monkeypatch.setattr(recorder_module, "PROC_REFRESH_S", 3600.0)
+    rec.close()  # closing always writes it
+    assert written("steps") == 4 and json.loads(proc.read_text())["status"] == "complete"

@@ -115,7 +115,7 @@ def test_every_flushed_shard_ingests_and_the_session_is_incomplete(killed, kill)
     killed_pids = set(rec.notes["killed"]) or set(docs)  # the group kill: every process
     for pid in rec.notes["killed"] or []:
         assert docs[pid]["status"] == "running", docs[pid]  # it never closed
-    # Every row a process said it had written (proc.json is rewritten after the shards at each flush)
+    # Every row a process said it had written (proc.json is rewritten after the shards, at most 2 s apart)
     # is in the database.
     for pid, doc in docs.items():
         for table, n in (doc.get("rows_written") or {}).items():
