@@ -404,6 +404,41 @@ def test_native_and_python_logs_record_the_same_run(tmp_path, monkeypatch):
         assert native[t] == python[t], t
 
 
+@pytest.mark.vllm
+@native_only
+def test_a_block_hook_that_raises_switches_its_probe_off_and_vllm_finishes(tmp_path):
+    """The kv_blocks probe's fault injection runs inside its BlockHook (C): the first allocation raises in
+    the probe, which is switched off (every hook of it), counted and recorded; vLLM's calls go on, every
+    request finishes, and the other probes keep recording."""
+    import json
+
+    from kvtrace.model import ensure_tiny_model
+    from tests.driven_scheduler import DrivenConfig, read_rows, record_driven
+
+    left = []
+
+    def scenario(d):
+        from vllm.v1.core.block_pool import BlockPool
+
+        assert type(BlockPool.get_new_blocks).__name__ == "BlockHook"
+        for i in range(6):
+            d.add(f"r{i}", list(range(100 + i, 160 + i)), 4)
+        out = d.run()
+        left.extend(d.sched.requests)  # vLLM drops a request once it has finished
+        assert not BlockPool.get_new_blocks.enabled and not BlockPool.touch.enabled
+        return out
+
+    record_driven(tmp_path, str(ensure_tiny_model()), DrivenConfig(num_blocks=64), scenario,
+                  options={"inject_fault": "kv_blocks"})
+    assert left == []  # every request ran to its end
+    proc = json.loads(next((tmp_path / "procs").glob("*/proc.json")).read_text())
+    assert proc["probes"]["kv_blocks"]["status"] == "failed" and "injected fault" in proc["probes"]["kv_blocks"]["reason"]
+    assert proc["probe_faults"] == {"kv_blocks": 1}
+    assert read_rows(tmp_path, "block_events") == []  # the first row was the one that raised
+    assert {r["request_id"] for r in read_rows(tmp_path, "request_events") if r["event"] == "finished"} == {
+        f"r{i}" for i in range(6)}
+
+
 # ---- the recorder's row logs: the same batches as the tuples' conversion ---------------------------
 def _value_strategy(t: pa.DataType, nullable: bool = True):
     """Values of Arrow type `t`; list items are never null. (Not a filter on a nullable strategy:
