@@ -1,7 +1,8 @@
 """Cost of the host probes (scheduler, kv_blocks, prefix_cache, connector) on vLLM's real scheduler.
 
-    python bench/bench_host_probes.py                  # the benchmark (~4 min on 2 cores)
-    python bench/bench_host_probes.py --processes 1    # one process only (~40 s; noisier, see below)
+    python bench/bench_host_probes.py                  # the benchmark (~2 min on 2 cores; ~4 on a slow day)
+    python bench/bench_host_probes.py --processes 10   # a narrower interval (~3.5 min)
+    python bench/bench_host_probes.py --processes 1    # one process only (~20-40 s; noisier, see below)
     python bench/bench_host_probes.py --profile on     # cProfile of one round with the probes on
 
 Drives vLLM's own `Scheduler` + `KVCacheManager` + `BlockPool` (tests/driven_scheduler.py: the VllmConfig
