@@ -5,8 +5,10 @@
         [--modes off,all,scheduler,kv_blocks,prefix_cache]
 
 On this project's shared 2-core machines, wall and CPU times of a round move by several percent from
-run to run, more than most single changes to the probes; instruction counts do not (the same round
-gives the same count to ~0.05%). Each mode runs one uninstrumented warm-up round, then one round with
+run to run, more than most single changes to the probes; instruction counts much less (the same round
+gives the same count to ~0.2%, nearly all of it in two functions: pymalloc's `_PyObject_Free`, whose
+arena releases moved 12.5 M between two runs, and `set_lookkey`, sets hashed by address, ~2 M; compare
+a change function by function without those, docs/performance.md "Fifteenth session"). Each mode runs one uninstrumented warm-up round, then one round with
 instrumentation switched on around it (`callgrind_control -i on|off`, then a dump), and prints the
 instructions of every thread of the process (the probes, and the recorder's writer: each on-round ends
 with a flush inside the counted window, as in bench_host_probes).
