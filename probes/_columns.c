@@ -618,15 +618,24 @@ static void BlockLog_dealloc(BlockLog *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *BlockLog_begin_alloc(BlockLog *self, PyObject *unused) {
+/* get_new_blocks starts (evictions wait for its row: in_alloc) or ends without a row (raised). */
+static void alloc_begin(BlockLog *self) {
     self->in_alloc = 1;
     self->pend_ids.n = self->pend_hashes.n = 0;
+}
+
+static void alloc_end(BlockLog *self) {
+    self->in_alloc = 0;
+    self->pend_ids.n = self->pend_hashes.n = 0;
+}
+
+static PyObject *BlockLog_begin_alloc(BlockLog *self, PyObject *unused) {
+    alloc_begin(self);
     Py_RETURN_NONE;
 }
 
 static PyObject *BlockLog_end_alloc(BlockLog *self, PyObject *unused) {
-    self->in_alloc = 0;
-    self->pend_ids.n = self->pend_hashes.n = 0;
+    alloc_end(self);
     Py_RETURN_NONE;
 }
 
@@ -964,19 +973,16 @@ static PyObject *hook_vectorcall(BlockHook *h, PyObject *const *args, size_t nar
     PyObject *result;
     switch (h->kind) {
     case HK_ALLOC: {
-        log->in_alloc = 1; /* evictions inside wait for this allocation's row */
-        log->pend_ids.n = log->pend_hashes.n = 0;
+        alloc_begin(log); /* evictions inside wait for this allocation's row */
         result = PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
         if (result == NULL || !h->enabled) {
-            log->in_alloc = 0;
-            log->pend_ids.n = log->pend_hashes.n = 0;
+            alloc_end(log);
             return result;
         }
         if (h->before != NULL) {
             PyObject *r = PyObject_CallNoArgs(h->before);
             if (r == NULL) {
-                log->in_alloc = 0;
-                log->pend_ids.n = log->pend_hashes.n = 0;
+                alloc_end(log);
                 return hook_return(result, hook_fault(h));
             }
             Py_DECREF(r);

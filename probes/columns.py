@@ -363,11 +363,10 @@ def _strings(n: int, parts: tuple) -> pa.Array:
 # instructions in pyarrow, and the hand-overs ask for hundreds a second.
 INT16, INT32, INT64, STRING = pa.int16(), pa.int32(), pa.int64(), pa.string()
 LIST_INT32, LIST_INT64 = pa.list_(INT32), pa.list_(INT64)
-_WIDTH = {INT16: 2, INT32: 4, INT64: 8}
 
 
 def _fixed(type_: pa.DataType, data: bytes) -> pa.Array:
-    return pa.Array.from_buffers(type_, len(data) // _WIDTH[type_], [None, _buffer(data)])
+    return pa.Array.from_buffers(type_, len(data) // type_.byte_width, [None, _buffer(data)])
 
 
 try:
@@ -481,8 +480,7 @@ if _columns is not None:
                 if is_string:
                     arrays.append(pa.Array.from_buffers(t, n, [_buffer(valid), _buffer(offsets), _buffer(data)]))
                 elif item_type is not None:
-                    items = pa.Array.from_buffers(item_type, len(values) * 8 // item_type.bit_width,
-                                                  [None, _buffer(values)])
+                    items = _fixed(item_type, values)
                     arrays.append(pa.Array.from_buffers(t, n, [_buffer(valid), _buffer(offsets)], children=[items]))
                 else:
                     arrays.append(pa.Array.from_buffers(t, n, [_buffer(valid), _buffer(values)]))
