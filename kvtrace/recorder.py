@@ -306,8 +306,10 @@ class Recorder:
         self.buffers["drops"].append((time.monotonic_ns(), table, n, cause))
 
     def set_probe_status(self, name: str, status: str, reason: str = "") -> None:
-        self.info["probes"][name] = {"status": status, "reason": reason}
-        self._proc_dirty = True
+        entry = {"status": status, "reason": reason}
+        if self.info["probes"].get(name) != entry:  # a probe installed again as it was: nothing to rewrite
+            self.info["probes"][name] = entry
+            self._proc_dirty = True
 
     def warn(self, message: str) -> None:
         print(f"kvtrace: warning: {message} (pid {self.pid})", file=sys.stderr, flush=True)

@@ -652,7 +652,8 @@ def test_admission_watch_forwards_every_attribute_to_the_manager():
 
 def test_proc_json_is_rewritten_when_more_than_its_counts_changed(tmp_path, monkeypatch):
     """A flush rewrites proc.json only when something besides the row counts changed (a drop, a probe's
-    status, a warning) or PROC_REFRESH_S after the last write; its counts lag the shards, never lead."""
+    status, a warning; not a status set again to what it was) or PROC_REFRESH_S after the last write;
+    its counts lag the shards, never lead."""
     import json
 
     from kvtrace import recorder as recorder_module
@@ -673,6 +674,9 @@ def test_proc_json_is_rewritten_when_more_than_its_counts_changed(tmp_path, monk
     rec.flush()
     assert written("steps") == 1 and json.loads(proc.read_text())["probes"]["scheduler"]["status"] == "attached"
     rec.buffer("steps").append(tuple([2] + [None] * 21))
+    rec.set_probe_status("scheduler", "attached")  # installed again, as it was: nothing new to say
+    rec.flush()
+    assert written("steps") == 1 and rec.rows_written["steps"] == 2
     rec.count_drop("steps", 3, "buffer-cap")
     rec.flush()
     assert written("steps") == 2 and json.loads(proc.read_text())["dropped"] == {"steps": {"buffer-cap": 3}}
