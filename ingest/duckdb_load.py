@@ -48,7 +48,7 @@ import pyarrow.compute as pc
 from kvtrace import schema
 from kvtrace.errors import KvtraceError
 from kvtrace.ingest import compression
-from kvtrace.ingest.shards import ShardRead, list_shards, pad_batch, read_shard
+from kvtrace.ingest.shards import ShardRead, list_shards, loaded_batch, loads_into, read_shard
 from kvtrace.session import proc_dirs, read_manifest, read_proc
 
 DUCK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER", "int64": "BIGINT",
@@ -122,7 +122,7 @@ DERIVED_MEANINGS = {
         "session": "session id", "pid": "OS process id", "rank": "DP rank x 1000 + TP rank",
         "role": "api, engine, worker or proc", "host": "host name",
         "status": "running, flushed, complete (closed its shards) or unknown (proc.json missing)",
-        "rows_written": "rows written per table (JSON)",
+        "rows_written": "rows written per shard table (JSON; decode_runs counts runs, not the step_requests rows they expand into)",
         "dropped": "rows lost per table and cause (JSON: ring-wrap, writer-error, buffer-cap, max-size, bad-row)",
         "stopped_reason": "why the process stopped writing (writer-error, max-size), or null"},
     "probes": {
@@ -149,7 +149,8 @@ def markdown() -> str:
     tables: appended by `python -m kvtrace.schema`."""
     out = ["", "# In the database", "",
            "Ingest loads each shard table above into a DuckDB table of the same name, with the process "
-           "columns first. Two differ:", "",
+           "columns first, except `decode_runs`, whose runs it expands into the `step_requests` rows they "
+           "stand for. Two differ:", "",
            "- `block_events` has one row per block: `block_ids` / `block_hashes` become `block_id` INTEGER "
            "and `block_hash` BIGINT (null where the call had no hashes). A trailing `seq` BIGINT numbers the "
            "process's calls in recording order (the rows of one call share it; in a database converted from "
@@ -671,8 +672,8 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session_dir: str | Path, prog
                 # A process's small tables first: their INSERTs keep DuckDB busy while its first big
                 # chunk is read, keyed and measured for compression (~30 ms at 1 M events, during which
                 # the inserter had nothing to do).
-                small = [s for s in shards if s.table not in KEYED_TABLES]
-                big = [s for s in shards if s.table in KEYED_TABLES]
+                small = [s for s in shards if loads_into(s.table) not in KEYED_TABLES]
+                big = [s for s in shards if loads_into(s.table) in KEYED_TABLES]
                 if _load_shards(small, loader, bar, rows, issues):
                     incomplete = True
                 if i == derive_after:
@@ -752,17 +753,19 @@ def _load_shards(shards: list, loader: _Gather, bar: Progress, rows: dict[str, i
             cut = True
             continue
         res = ShardRead()
-        ncols = len(schema.TABLES[shard.table])
+        table = loads_into(shard.table)  # a run table's rows are expanded into the table they stand for
+        stored = 0
         for batch in read_shard(shard, res):
-            if batch.num_columns != ncols:  # an older shard: pad its missing trailing columns
-                batch = pad_batch(batch, shard.table)
-            loader.add(shard.table, batch)
+            # An older shard's missing trailing columns padded; decode runs made rows.
+            batch = loaded_batch(shard.table, batch, shard.path)
+            loader.add(table, batch)
             bar.add(batch.num_rows)
-        rows[shard.table] += res.rows
+            stored += batch.num_rows
+        rows[table] += stored
         for problem in res.problems:
             issues.append((str(shard.path), problem, res.bytes_cut))
             cut = True
-        bar.step(res.rows)
+        bar.step(stored)
     return cut
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from kvtrace import schema
@@ -55,7 +56,7 @@ def list_shards(proc_dir: Path) -> list[Shard]:
         if not (is_open or name.endswith(SHARD_SUFFIX)):
             continue
         table = name.split(".", 1)[0]
-        if table not in schema.TABLES:
+        if table not in schema.SHARD_TABLES:
             raise KvtraceError(f"{proc_dir / name}: shard of unknown table {table!r}")
         shards.append(Shard(proc_dir / name, table, is_open, status))
     return shards
@@ -148,6 +149,81 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
                     if tail.startswith(EOS) else f"{size - good_end} bytes that are not a batch")
             raise KvtraceError(f"{path}: corrupt shard: {what} after row {result.rows} (a closed shard "
                                f"was cut short or written to by something else)")
+
+
+def loads_into(table: str) -> str:
+    """The table a shard table's rows are stored in: itself, or for a run table (schema.RUN_TABLES) the
+    table it expands into."""
+    run = schema.RUN_TABLES.get(table)
+    return run[0] if run is not None else table
+
+
+# A run longer than this is not something kvtrace wrote (a DecodeLog hands its runs over at least every
+# 250 ms), and expanding it would take that many rows' memory: refused as a damaged shard.
+MAX_RUN_STEPS = 1 << 24
+
+
+def expand_decode_runs(batch: pa.RecordBatch, where: object = "decode_runs") -> pa.RecordBatch:
+    """The step_requests rows a decode_runs batch stands for (schema.RUN_TABLES): row i of a run is step
+    `step + i`, `tokens` tokens, computed_before `computed_before + i * tokens`, new_blocks `new_blocks`
+    for i = 0 and 0 after, phase decode, chunk_index -1, kind running. Runs come out in their order, each
+    run's rows in step order. `where` names the shard in the error a damaged batch gets."""
+    if batch.num_rows and batch.column("steps").null_count + batch.column("step").null_count:
+        raise KvtraceError(f"{where}: decode_runs batch with null steps; not a shard kvtrace wrote")
+    steps = batch.column("steps").to_numpy(zero_copy_only=False).astype(np.int64)
+    if batch.num_rows and (steps.min() < 1 or steps.max() > MAX_RUN_STEPS):
+        raise KvtraceError(f"{where}: decode run of {int(steps.min() if steps.min() < 1 else steps.max())} "
+                           f"steps; not a shard kvtrace wrote")
+    total = int(steps.sum())
+    run = np.repeat(np.arange(batch.num_rows), steps)
+    i = np.arange(total) - np.repeat(np.cumsum(steps) - steps, steps)  # the row's place in its run
+
+    def column(name: str) -> np.ndarray:
+        return batch.column(name).fill_null(0).to_numpy(zero_copy_only=False)[run]
+
+    tokens = column("tokens").astype(np.int64)
+    into = schema.arrow_schema("step_requests")
+    try:
+        arrays = {
+            "step": pa.array(column("step") + i, pa.int64()),
+            "request_id": batch.column("request_id").take(pa.array(run)),
+            "tokens": pa.array(tokens, pa.int32()),
+            "phase": pa.repeat("decode", total),
+            "chunk_index": pa.array(np.full(total, -1, np.int32)),
+            "computed_before": pa.array(column("computed_before").astype(np.int64) + i * tokens, pa.int32()),
+            "new_blocks": pa.array(np.where(i == 0, column("new_blocks"), 0), pa.int32()),
+            "kind": pa.repeat("running", total),
+        }
+    except (pa.ArrowException, OverflowError, ValueError) as exc:  # computed_before past int32: damaged
+        raise KvtraceError(f"{where}: decode runs that do not expand ({_short(exc)}); not a shard kvtrace "
+                           f"wrote") from None
+    return pa.RecordBatch.from_arrays([arrays[f.name] for f in into], schema=into)
+
+
+EXPAND = {"decode_runs": expand_decode_runs}
+# How many rows a run table's batch stands for, without making them.
+EXPANDED_ROWS = {"decode_runs": lambda batch: int(pa.compute.sum(batch.column("steps")).as_py() or 0)}
+
+
+def stored_rows(proc_dir: Path) -> dict[str, int]:
+    """Rows per table that ingest would store from one process folder's shards (a run table's counted
+    as the rows it expands into; block_events as calls, before unnesting)."""
+    import pyarrow.compute  # noqa: F401  (pa.compute)
+
+    out: dict[str, int] = {}
+    for shard in list_shards(proc_dir):
+        count = EXPANDED_ROWS.get(shard.table, lambda batch: batch.num_rows)
+        table = loads_into(shard.table)
+        out[table] = out.get(table, 0) + sum(count(b) for b in read_shard(shard, ShardRead()))
+    return out
+
+
+def loaded_batch(table: str, batch: pa.RecordBatch, where: object = "") -> pa.RecordBatch:
+    """A shard batch as the rows ingest stores: a run table's expanded, an older schema's padded."""
+    expand = EXPAND.get(table)
+    if expand is not None:
+        return expand(batch, where or table)
+    return pad_batch(batch, table)
 
 
 def _check_schema(path: Path, got: pa.Schema, table: str, expected: pa.Schema) -> None:

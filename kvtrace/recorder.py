@@ -185,7 +185,7 @@ class Recorder:
             self.batch_rows = 1024
         self.options = options
         # Batches handed over whole (append_columns), and row tuples where there is no RowLog.
-        self.buffers: dict[str, list] = {t: [] for t in schema.TABLES}
+        self.buffers: dict[str, list] = {t: [] for t in schema.SHARD_TABLES}
         # Row tuples, kept in C (staged row-major, made columns at the flush; None where the native logs
         # are not built). Not for `drops`: the recorder's own record of losses, held back as tuples
         # once writing has stopped.
@@ -202,8 +202,8 @@ class Recorder:
         # this is), so the folder is named by host and pid and the role lives in proc.json.
         self.dir = self.session_dir / "procs" / f"{socket.gethostname()}-{self.pid}"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.writers = {t: ShardWriter(self.dir, t, self.rotate_bytes, self.rotate_s) for t in schema.TABLES}
-        self.rows_written = {t: 0 for t in schema.TABLES}
+        self.writers = {t: ShardWriter(self.dir, t, self.rotate_bytes, self.rotate_s) for t in schema.SHARD_TABLES}
+        self.rows_written = {t: 0 for t in schema.SHARD_TABLES}
         self.dropped: dict[str, dict[str, int]] = {}
         self.info: dict[str, Any] = {"probes": {}, "engine_config": {}}
         self.stopped_reason: str | None = None  # set when writing stopped for good
@@ -348,7 +348,7 @@ class Recorder:
         return rows
 
     def _flush_locked(self) -> None:
-        for table in schema.TABLES:
+        for table in schema.SHARD_TABLES:
             rows = self._take(table)
             if not rows:
                 continue

@@ -479,7 +479,7 @@ def generate(out_dir: str | Path, events: int, seed: int = 0, *, rotate_bytes: i
     for role, ws in writers.items():
         for w in ws.values():
             w.close()
-        written = {t: (rows[t] if owner.get(t) == role else 0) for t in schema.TABLES}
+        written = {t: (rows.get(t, 0) if owner.get(t) == role else 0) for t in schema.SHARD_TABLES}
         written["clock_anchors"] = rows["clock_anchors"] // 2
         write_json_atomic(dirs[role] / PROC_FILE, {
             "schema_version": schema.SCHEMA_VERSION, "role": role, "pid": pids[role], "host": "synth",

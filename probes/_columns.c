@@ -1189,13 +1189,38 @@ static PyTypeObject BlockHookType = {
     .tp_vectorcall_offset = offsetof(BlockHook, vectorcall),
 };
 
-/* ---- DecodeLog: step_requests rows of decoding requests ------------------------------------ */
+/* ---- DecodeLog: step_requests rows of decoding requests, kept as runs ----------------------------
+
+   Most step_requests rows are decodes, and a decoding request's rows follow each other: step s+1,
+   the same tokens (1, or the speculative count), computed_before grown by those tokens, no new block.
+   The log keeps one open run per request (keyed by the request id object: vLLM passes the same str
+   every step) and writes a `decode_runs` row only when a run ends (a gap in steps, other tokens, a
+   new block, another computed count) or at take(); ingest expands each run into its rows
+   (kvtrace.ingest.shards.expand_decode_runs). A request decodes ~30 steps per block it fills, so the
+   columns hold ~20x fewer rows than one per (step, request), and the string of its id is copied
+   once per run instead of every step: less to write, hand over and serialise (docs/performance.md). */
+
+typedef struct {
+    PyObject *rid; /* the request id (own reference: its address cannot be reused meanwhile); NULL: empty */
+    int64_t first_step, last_step;
+    int32_t first_computed, last_computed, tokens, first_blocks;
+} OpenRun;
+
+typedef struct {
+    int32_t computed, tokens, blocks;
+} DecodeRow;
 
 typedef struct {
     PyObject_HEAD
-    Py_ssize_t rows;
-    Buf step, computed, tokens, new_blocks;
+    Py_ssize_t rows; /* decode rows added since the last take (what the runs stand for) */
+    Py_ssize_t runs; /* runs ended into the columns since the last take */
+    Buf step, steps, computed, tokens, new_blocks;
     StrCol rid;
+    OpenRun *open; /* open runs: open addressing, linear probing, a power of two of slots; emptied
+                      only at take, so a key's probe path never has a hole in it */
+    Py_ssize_t open_cap, open_used;
+    DecodeRow *scratch; /* one call's rows, read and checked before anything is changed */
+    Py_ssize_t scratch_cap;
     int64_t since_ns, flush_ns;
     Py_ssize_t flush_rows;
 } DecodeLog;
@@ -1212,24 +1237,94 @@ static int DecodeLog_init(DecodeLog *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+static inline Py_ssize_t run_slot(DecodeLog *self, PyObject *rid) {
+    uint64_t x = ((uint64_t)(uintptr_t)rid >> 4) * 0x9E3779B97F4A7C15ULL;
+    Py_ssize_t i = (Py_ssize_t)(x >> 32) & (self->open_cap - 1);
+    while (self->open[i].rid != NULL && self->open[i].rid != rid)
+        i = (i + 1) & (self->open_cap - 1);
+    return i;
+}
+
+/* Room for `more` open runs at most half full (a probe then stays short). */
+static int open_reserve(DecodeLog *self, Py_ssize_t more) {
+    if (2 * (self->open_used + more) <= self->open_cap)
+        return 0;
+    Py_ssize_t cap = self->open_cap ? self->open_cap : 256;
+    while (2 * (self->open_used + more) > cap)
+        cap *= 2;
+    OpenRun *old = self->open, *fresh = PyMem_Calloc((size_t)cap, sizeof(OpenRun));
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t old_cap = self->open_cap;
+    self->open = fresh;
+    self->open_cap = cap;
+    for (Py_ssize_t i = 0; i < old_cap; i++)
+        if (old[i].rid != NULL)
+            self->open[run_slot(self, old[i].rid)] = old[i];
+    PyMem_Free(old);
+    return 0;
+}
+
+/* Write an open run as a decode_runs row (room reserved by the caller). */
+static void run_write(DecodeLog *self, OpenRun *r) {
+    const char *u;
+    Py_ssize_t k;
+    str_text(r->rid, &u, &k); /* cannot fail: checked when the run opened */
+    STORE(&self->step, int64_t, r->first_step);
+    STORE(&self->steps, int32_t, r->last_step - r->first_step + 1);
+    str_write(&self->rid, self->runs, u, k);
+    STORE(&self->tokens, int32_t, r->tokens);
+    STORE(&self->computed, int32_t, r->first_computed);
+    STORE(&self->new_blocks, int32_t, r->first_blocks);
+    self->runs++;
+}
+
+/* Room for `n` more runs in the columns, `text` bytes of request ids among them. */
+static int runs_reserve(DecodeLog *self, Py_ssize_t n, Py_ssize_t text) {
+    return buf_reserve(&self->step, n * 8) < 0 || buf_reserve(&self->steps, n * 4) < 0
+                   || buf_reserve(&self->tokens, n * 4) < 0 || buf_reserve(&self->computed, n * 4) < 0
+                   || buf_reserve(&self->new_blocks, n * 4) < 0 || buf_reserve(&self->rid.ends, 4 + n * 4) < 0
+                   || buf_reserve(&self->rid.data, text) < 0 || buf_reserve(&self->rid.valid, 1 + n / 8 + 1) < 0
+               ? -1
+               : 0;
+}
+
+static inline int run_continues(OpenRun *r, int64_t step, DecodeRow *row) {
+    return r->last_step == step - 1 && r->tokens == row->tokens && row->blocks == 0
+           && (int64_t)row->computed == (int64_t)r->last_computed + r->tokens;
+}
+
 static void decode_free_columns(DecodeLog *self) {
     buf_free(&self->step);
+    buf_free(&self->steps);
     buf_free(&self->computed);
     buf_free(&self->tokens);
     buf_free(&self->new_blocks);
     str_free(&self->rid);
-    self->rows = 0;
+    self->runs = 0;
+}
+
+static void open_clear(DecodeLog *self) {
+    for (Py_ssize_t i = 0; i < self->open_cap; i++)
+        Py_CLEAR(self->open[i].rid);
+    self->open_used = 0;
 }
 
 static void DecodeLog_dealloc(DecodeLog *self) {
     decode_free_columns(self);
+    open_clear(self);
+    PyMem_Free(self->open);
+    PyMem_Free(self->scratch);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* add(step, ids, computed, new_block_ids, skip, num_scheduled): a row for each position of the
+/* add(step, ids, computed, new_block_ids, skip, num_scheduled): a decode row for each position of the
    SchedulerOutput's cached requests (ids, num_computed_tokens, new_block_ids lists) that is not in
    `skip` (sorted positions of prefill rows, or None); tokens 1 each when `num_scheduled` is None,
-   else num_scheduled[id]. Returns True when it is time to take(). */
+   else num_scheduled[id]. Every row is read and checked first: a call that raises changes nothing.
+   Returns True when it is time to take(). */
 static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "add(step, ids, computed, new_block_ids, skip, num_scheduled)");
@@ -1240,7 +1335,7 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
         return NULL;
     PyObject *ids = PySequence_Fast(args[1], "ids"), *comps = NULL, *news = NULL, *skip = NULL;
     PyObject *num_sched = args[5] == Py_None ? NULL : args[5];
-    Py_ssize_t rows0 = self->rows, j = 0, nskip = 0;
+    Py_ssize_t j = 0, nskip = 0, m = 0, text = 0;
     if (ids == NULL || (comps = PySequence_Fast(args[2], "computed")) == NULL
         || (news = PySequence_Fast(args[3], "new_block_ids")) == NULL)
         goto error;
@@ -1254,13 +1349,24 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_ValueError, "ids, computed and new_block_ids differ in length");
         goto error;
     }
+    if (n > self->scratch_cap) {
+        DecodeRow *s = PyMem_Realloc(self->scratch, (size_t)n * sizeof(DecodeRow));
+        if (s == NULL) {
+            PyErr_NoMemory();
+            goto error;
+        }
+        self->scratch = s;
+        self->scratch_cap = n;
+    }
+    if (open_reserve(self, n) < 0)
+        goto error;
+    /* Read and check every row; note the text of the runs this call will end. */
     Py_ssize_t next_skip = nskip ? PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(skip, 0)) : -1;
     if (next_skip == -1 && PyErr_Occurred())
         goto error;
-    if (buf_reserve(&self->step, n * 8) < 0 || buf_reserve(&self->computed, n * 4) < 0
-        || buf_reserve(&self->tokens, n * 4) < 0 || buf_reserve(&self->new_blocks, n * 4) < 0)
-        goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
+        DecodeRow *row = &self->scratch[i];
+        row->tokens = -1; /* not a decode row */
         if (i == next_skip) {
             j++;
             next_skip = j < nskip ? PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(skip, j)) : -1;
@@ -1269,10 +1375,10 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
             continue;
         }
         PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
-        long computed = (long)as_int64(PySequence_Fast_GET_ITEM(comps, i));
+        long long computed = as_int64(PySequence_Fast_GET_ITEM(comps, i));
         if (computed == -1 && PyErr_Occurred())
             goto error;
-        long tokens = 1;
+        long long tokens = 1;
         if (num_sched != NULL) {
             PyObject *v = PyDict_GetItemWithError(num_sched, rid);
             if (v == NULL) {
@@ -1280,7 +1386,7 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
                     PyErr_SetObject(PyExc_KeyError, rid);
                 goto error;
             }
-            tokens = (long)as_int64(v);
+            tokens = as_int64(v);
             if (tokens == -1 && PyErr_Occurred())
                 goto error;
         }
@@ -1291,24 +1397,67 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
         } else if (PyTuple_CheckExact(groups) && PyTuple_GET_SIZE(groups) > 0
                    && PyList_CheckExact(PyTuple_GET_ITEM(groups, 0))) { /* what vLLM passes */
             nb = (long)PyList_GET_SIZE(PyTuple_GET_ITEM(groups, 0));
-        } else if (PyObject_IsTrue(groups) == 1) {
-            PyObject *first = PySequence_GetItem(groups, 0);
-            if (first == NULL)
+        } else {
+            int truth = PyObject_IsTrue(groups);
+            if (truth < 0)
                 goto error;
-            nb = (long)PyObject_Length(first);
-            Py_DECREF(first);
-            if (nb < 0)
-                goto error;
+            if (truth) {
+                PyObject *first = PySequence_GetItem(groups, 0);
+                if (first == NULL)
+                    goto error;
+                nb = (long)PyObject_Length(first);
+                Py_DECREF(first);
+                if (nb < 0)
+                    goto error;
+            }
         }
+        if (computed < 0 || computed > INT32_MAX || tokens < 0 || tokens > INT32_MAX || nb > INT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "decode row of %R out of int32 range", rid);
+            goto error;
+        }
+        row->computed = (int32_t)computed;
+        row->tokens = (int32_t)tokens;
+        row->blocks = (int32_t)nb;
+        OpenRun *r = &self->open[run_slot(self, rid)];
         const char *u;
         Py_ssize_t k;
-        if (str_text(rid, &u, &k) < 0 || str_reserve(&self->rid, k) < 0)
-            goto error;
-        STORE(&self->step, int64_t, step); /* room reserved above */
-        str_write(&self->rid, self->rows, u, k);
-        STORE(&self->computed, int32_t, computed);
-        STORE(&self->tokens, int32_t, tokens);
-        STORE(&self->new_blocks, int32_t, nb);
+        if (r->rid == NULL) { /* a run opens: its id must be text */
+            if (str_text(rid, &u, &k) < 0)
+                goto error;
+            if (u == NULL) {
+                PyErr_Format(PyExc_TypeError, "request id %R is not a str", rid);
+                goto error;
+            }
+        } else if (!run_continues(r, step, row)) { /* this call ends that run */
+            str_text(r->rid, &u, &k);
+            text += k;
+            m++;
+        }
+    }
+    if (runs_reserve(self, m, text) < 0)
+        goto error;
+    /* Nothing below fails. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        DecodeRow *row = &self->scratch[i];
+        if (row->tokens < 0)
+            continue;
+        PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
+        OpenRun *r = &self->open[run_slot(self, rid)];
+        if (r->rid != NULL && run_continues(r, step, row)) {
+            r->last_step = step;
+            r->last_computed = row->computed;
+        } else {
+            if (r->rid != NULL)
+                run_write(self, r);
+            else {
+                r->rid = Py_NewRef(rid);
+                self->open_used++;
+            }
+            r->first_step = r->last_step = step;
+            r->first_computed = r->last_computed = row->computed;
+            r->tokens = row->tokens;
+            r->first_blocks = row->blocks;
+        }
         self->rows++;
     }
     Py_DECREF(ids);
@@ -1316,13 +1465,8 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
     Py_DECREF(news);
     Py_XDECREF(skip);
     int64_t t = now_ns();
-    return PyBool_FromLong(self->rows >= self->flush_rows || t - self->since_ns >= self->flush_ns);
+    return PyBool_FromLong(self->runs >= self->flush_rows || t - self->since_ns >= self->flush_ns);
 error:
-    /* Keep whole rows only: cut every column back to the rows before this call. */
-    self->step.n = rows0 * 8;
-    self->computed.n = self->tokens.n = self->new_blocks.n = rows0 * 4;
-    str_truncate(&self->rid, rows0);
-    self->rows = rows0;
     Py_XDECREF(ids);
     Py_XDECREF(comps);
     Py_XDECREF(news);
@@ -1330,13 +1474,33 @@ error:
     return NULL;
 }
 
+/* Every open run ended (the runs so far as column buffers, a dict), and an empty log; None when there
+   are none. */
 static PyObject *DecodeLog_take_raw(DecodeLog *self, PyObject *unused) {
+    Py_ssize_t text = 0;
+    for (Py_ssize_t i = 0; i < self->open_cap; i++) {
+        if (self->open[i].rid != NULL) {
+            const char *u;
+            Py_ssize_t k;
+            str_text(self->open[i].rid, &u, &k);
+            text += k;
+        }
+    }
+    if (runs_reserve(self, self->open_used, text) < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < self->open_cap; i++)
+        if (self->open[i].rid != NULL)
+            run_write(self, &self->open[i]);
+    open_clear(self);
     self->since_ns = now_ns();
-    if (self->rows == 0)
+    Py_ssize_t rows = self->rows;
+    self->rows = 0;
+    if (self->runs == 0)
         Py_RETURN_NONE;
-    PyObject *out = Py_BuildValue("{s:n,s:N,s:N,s:N,s:N,s:N}", "rows", self->rows, "step", buf_take(&self->step),
-                                  "request_id", str_take(&self->rid), "computed_before",
-                                  buf_take(&self->computed), "tokens", buf_take(&self->tokens), "new_blocks",
+    PyObject *out = Py_BuildValue("{s:n,s:n,s:N,s:N,s:N,s:N,s:N,s:N}", "runs", self->runs, "rows", rows,
+                                  "step", buf_take(&self->step), "steps", buf_take(&self->steps),
+                                  "request_id", str_take(&self->rid), "tokens", buf_take(&self->tokens),
+                                  "computed_before", buf_take(&self->computed), "new_blocks",
                                   buf_take(&self->new_blocks));
     decode_free_columns(self);
     return out;
@@ -1347,16 +1511,17 @@ static PyObject *DecodeLog_get_rows(DecodeLog *self, void *closure) { return PyL
 static PyMethodDef DecodeLog_methods[] = {
     {"add", (PyCFunction)(void (*)(void))DecodeLog_add, METH_FASTCALL,
      "add(step, ids, computed, new_block_ids, skip, num_scheduled) -> bool: time to take()"},
-    {"take_raw", (PyCFunction)DecodeLog_take_raw, METH_NOARGS, "the rows as column buffers, or None"},
+    {"take_raw", (PyCFunction)DecodeLog_take_raw, METH_NOARGS, "the runs as column buffers, or None"},
     {NULL}};
 
-static PyGetSetDef DecodeLog_getset[] = {{"rows", (getter)DecodeLog_get_rows, NULL, "rows held", NULL}, {NULL}};
+static PyGetSetDef DecodeLog_getset[] = {
+    {"rows", (getter)DecodeLog_get_rows, NULL, "decode rows added since the last take", NULL}, {NULL}};
 
 static PyTypeObject DecodeLogType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtrace.probes._columns.DecodeLog",
     .tp_basicsize = sizeof(DecodeLog),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "decode step_requests rows as columns (see columns.DecodeLog)",
+    .tp_doc = "decode step_requests rows kept as decode_runs (see columns.DecodeLog)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)DecodeLog_init,
     .tp_dealloc = (destructor)DecodeLog_dealloc,

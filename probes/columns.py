@@ -9,7 +9,8 @@ when it imports and the Python one otherwise (or when `KVTRACE_NATIVE=0`). Both 
 - `BlockLog`: `block_events` rows of the block-pool probe (probes/kv_blocks.py), one per pool call with
   its list of block ids (and hashes), named after the request the call was made for.
 - `DecodeLog`: `step_requests` rows of decoding requests (probes/scheduler.py): most rows of that
-  table, one per running request per step.
+  table, one per running request per step, handed over as `decode_runs` (a row per run of a request's
+  consecutive decode steps; ingest expands them).
 
 Why columns: a row is a handful of appends, with no tuple per row (tuples of tuples stay tracked by the
 garbage collector until its next pass) and no transposition by the writer; Arrow arrays are made in bulk
@@ -270,12 +271,14 @@ class BlockLog:
         }
 
 
-# ---- step_requests rows of decoding requests -------------------------------------------------------
+# ---- step_requests rows of decoding requests, as decode runs -------------------------------------
 class DecodeLog:
-    """`step_requests` rows of decoding requests (phase decode, chunk -1, kind running), one segment per
-    step: copies of the SchedulerOutput's own lists, None standing for the usual values (1 token,
-    0 new blocks), new blocks as (positions, counts) of the few rows that have any. Conversions come in
-    bulk at `take()`."""
+    """`step_requests` rows of decoding requests (phase decode, chunk -1, kind running), handed over as
+    `decode_runs`: one row per run of a request's consecutive decode steps (step s+1, the same tokens,
+    computed_before grown by those tokens, no new block), which ingest expands back into its rows
+    (`kvtrace.ingest.shards.expand_decode_runs`). Kept here as one segment per step (copies of the
+    SchedulerOutput's own lists, None standing for the usual values: 1 token, 0 new blocks), the runs
+    found in bulk at `take()`; the native twin keeps an open run per request as rows come."""
 
     __slots__ = ("segs", "rows", "since_ns", "flush_rows", "flush_ns")
 
@@ -290,6 +293,8 @@ class DecodeLog:
         """A row for each position of the SchedulerOutput's cached requests (`ids`, their
         `num_computed_tokens` and `new_block_ids`) not in `skip` (sorted positions of prefill rows);
         tokens 1 each when `num_scheduled` is None, else `num_scheduled[id]`. True: time to take()."""
+        if len(computed) != len(ids) or len(new_block_ids) != len(ids):
+            raise ValueError("ids, computed and new_block_ids differ in length")
         if skip:
             ids, computed, new_block_ids = list(ids), list(computed), list(new_block_ids)
             for i in reversed(skip):
@@ -306,10 +311,9 @@ class DecodeLog:
         return self.rows >= self.flush_rows or _now() - self.since_ns >= self.flush_ns
 
     def take(self) -> dict | None:
+        """The runs of the rows added since the last take, as `decode_runs` columns; None if none."""
         segs, self.segs = self.segs, []
         self.rows, self.since_ns = 0, _now()
-        if not segs:
-            return None
         lens = [len(seg[1]) for seg in segs]
         n = sum(lens)
         if not n:
@@ -323,30 +327,29 @@ class DecodeLog:
                 positions, counts = seg[4]
                 new_blocks[np.asarray(positions, dtype=np.int64) + start] = counts
             start += k
-        return decode_columns(n, np.repeat(np.array([seg[0] for seg in segs], dtype=np.int64), lens),
-                              pa.array(list(chain.from_iterable(seg[1] for seg in segs)), pa.string()),
-                              np.fromiter(chain.from_iterable(seg[2] for seg in segs), np.int32, n),
-                              tokens, new_blocks)
+        step = np.repeat(np.array([seg[0] for seg in segs], dtype=np.int64), lens)
+        rid = pa.array(list(chain.from_iterable(seg[1] for seg in segs)), pa.string())
+        computed = np.fromiter(chain.from_iterable(seg[2] for seg in segs), np.int64, n)
+        if computed.min() < 0 or computed.max() > np.iinfo(np.int32).max:
+            raise OverflowError("decode row out of int32 range")
+        return decode_runs(step, rid, computed.astype(np.int32), tokens, new_blocks)
 
 
-_constant_columns: dict[int, tuple] = {}  # rows -> the constant columns of that many decode rows
-
-
-def _constants(n: int) -> tuple:
-    """(phase, chunk_index, kind) of `n` decode rows: slices (no copy) of arrays made once per size
-    class, so a hand-over does not build ~16 k strings twice (~20 us each)."""
-    size = 1 << max(n - 1, 1).bit_length()
-    if size not in _constant_columns:
-        _constant_columns[size] = (pa.repeat("decode", size), pa.array(np.full(size, -1, dtype=np.int32)),
-                                   pa.repeat("running", size))
-    return tuple(col.slice(0, n) for col in _constant_columns[size])
-
-
-def decode_columns(n: int, step: Any, request_id: Any, computed: Any, tokens: Any, new_blocks: Any) -> dict:
-    """The `step_requests` columns of `n` decode rows (the constant columns filled in)."""
-    phase, chunk, kind = _constants(n)
-    return {"step": step, "request_id": request_id, "tokens": tokens, "phase": phase, "chunk_index": chunk,
-            "computed_before": computed, "new_blocks": new_blocks, "kind": kind}
+def decode_runs(step: np.ndarray, rid: pa.Array, computed: np.ndarray, tokens: np.ndarray,
+                new_blocks: np.ndarray) -> dict:
+    """The `decode_runs` columns of decode rows given in any order: a run is a request's rows of
+    consecutive steps with the same tokens, each `computed` its predecessor's plus those tokens, and
+    no new block after its first row (the native DecodeLog's rule, and what ingest expands)."""
+    codes = rid.dictionary_encode().indices.to_numpy(zero_copy_only=False)
+    order = np.lexsort((step, codes))  # by request, then step
+    k, s, c, t, b = codes[order], step[order], computed[order], tokens[order], new_blocks[order]
+    starts = np.ones(len(order), dtype=bool)
+    starts[1:] = ((k[1:] != k[:-1]) | (s[1:] != s[:-1] + 1) | (t[1:] != t[:-1])
+                  | (c[1:].astype(np.int64) != c[:-1].astype(np.int64) + t[:-1]) | (b[1:] != 0))
+    first = np.flatnonzero(starts)
+    return {"step": s[first], "steps": np.diff(np.append(first, len(order))).astype(np.int32),
+            "request_id": rid.take(pa.array(order[first])), "tokens": t[first], "computed_before": c[first],
+            "new_blocks": b[first]}
 
 
 # ---- the native twins ------------------------------------------------------------------------------
@@ -400,16 +403,18 @@ else:
             }
 
     class NativeDecodeLog(_columns.DecodeLog):
-        """`DecodeLog` in C (`_columns.c`); `take()` makes the Arrow columns from its buffers."""
+        """`DecodeLog` in C (`_columns.c`): an open run per request as rows come; `take()` ends them
+        and makes the `decode_runs` Arrow columns from its buffers."""
 
         def take(self) -> dict | None:
             raw = self.take_raw()
             if raw is None:
                 return None
-            n = raw["rows"]
-            return decode_columns(n, _fixed(INT64, raw["step"]), _strings(n, raw["request_id"]),
-                                  _fixed(INT32, raw["computed_before"]), _fixed(INT32, raw["tokens"]),
-                                  _fixed(INT32, raw["new_blocks"]))
+            n = raw["runs"]
+            return {"step": _fixed(INT64, raw["step"]), "steps": _fixed(INT32, raw["steps"]),
+                    "request_id": _strings(n, raw["request_id"]), "tokens": _fixed(INT32, raw["tokens"]),
+                    "computed_before": _fixed(INT32, raw["computed_before"]),
+                    "new_blocks": _fixed(INT32, raw["new_blocks"])}
 
 
 # ---- any table's rows, appended as tuples (the recorder's buffers) ----------------------------------

@@ -10,8 +10,10 @@ first tokens), `add_request` (arrival), `_preempt_request`, `_free_request` (fin
 Cost: a step schedules up to max_num_seqs requests, so nothing here may do Python work per running
 request beyond its `step_requests` row. Decode rows (the common case) are not tuples: one call per step
 hands the SchedulerOutput's own lists to a `DecodeLog` (probes/columns.py, native in `_columns.c` where
-it builds), which keeps them as columns and hands them to the recorder as one RecordBatch every ~0.25 s:
-no object per row, no garbage collections they would trigger, no transposition by the writer. Only
+it builds), which keeps them as runs (a request's consecutive decode steps: one `decode_runs` row
+each, ~20x fewer rows than one per step; ingest expands them into step_requests) and hands them to the
+recorder as one RecordBatch every ~0.25 s: no object per row, no garbage collections they would
+trigger, no transposition by the writer. Only
 requests in a prefill (new, resumed, or whose prompt is still being chunked: `prefill_chunks`) take the
 per-request path. `update_from_output` looks only at the requests whose prefill completed in that step
 (first tokens), never at every output. The wrappers keep vLLM's parameter lists (`exact_wrapper`), so
@@ -517,10 +519,10 @@ class SchedulerProbe(Probe):
         }
 
     def take(self) -> None:
-        """Hand the decode rows held as columns to the recorder (also called when the engine goes idle)."""
+        """Hand the decode rows held as runs to the recorder (also called when the engine goes idle)."""
         cols = self.decode_log.take()
         if cols is not None:
-            self.rec.append_columns("step_requests", cols)
+            self.rec.append_columns("decode_runs", cols)
 
     def close(self) -> None:
         """Steps whose update_from_output never came (engine stopped) are kept, with no end time."""

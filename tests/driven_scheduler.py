@@ -225,15 +225,16 @@ def record_driven(session_dir: Any, model: str, cfg: DrivenConfig, scenario: Any
 
 
 def read_rows(session_dir: Any, table: str) -> list[dict]:
-    """Every row of `table` as the probes recorded it (shard order, before ingest unnests anything)."""
+    """Every row of `table` as the probes recorded it (shard order, before ingest unnests anything; the
+    rows of run tables that stand for `table`, decode_runs for step_requests, expanded as ingest does)."""
     from pathlib import Path
 
-    from kvtrace.ingest.shards import ShardRead, list_shards, read_shard
+    from kvtrace.ingest.shards import ShardRead, list_shards, loaded_batch, loads_into, read_shard
 
     rows: list[dict] = []
     for proc in sorted((Path(session_dir) / "procs").iterdir()):
         for shard in list_shards(proc):
-            if shard.table == table:
+            if loads_into(shard.table) == table:
                 for batch in read_shard(shard, ShardRead()):
-                    rows.extend(batch.to_pylist())
+                    rows.extend(loaded_batch(shard.table, batch).to_pylist())
     return rows

@@ -324,47 +324,108 @@ def test_caller_request_id_reads_arguments_only():
         assert manager("r7", lambda: fn(1, 1)) is None  # only wrapper, which names no request
 
 
-# ---- decode rows -----------------------------------------------------------------------------------
+# ---- decode rows, kept as runs --------------------------------------------------------------------
 def decode_script(log) -> list:
     ids = ["a", "b", "c", "d"]
     got = [log.add(5, ids, [10, 20, 30, 40], [None, ([7, 8],), None, ([],)], None, None)]
     got.append(log.add(6, ids, [11, 21, 31, 41], [None, None, ([9],), None], [0, 2], None))
     got.append(log.add(7, ["b", "d"], [22, 42], [None, None], None, {"b": 1, "d": 3}))
     got.append(log.add(8, [], [], [], None, None))
+    got.append(log.add(9, ["b", "d"], [30, 45], [None, None], None, {"b": 1, "d": 3}))  # b jumped: preempted
+    got.append(log.add(10, ["b", "d"], [31, 48], [None, None], None, {"b": 1, "d": 3}))
     return got
 
 
+# The rows the script adds (step, request, tokens, computed_before, new_blocks), and the runs they make:
+# a run ends at a gap in steps, other tokens, a new block, or a computed count that is not the last plus
+# its tokens.
+DECODE_ROWS = [
+    (5, "a", 1, 10, 0), (5, "b", 1, 20, 2), (5, "c", 1, 30, 0), (5, "d", 1, 40, 0),
+    (6, "b", 1, 21, 0), (6, "d", 1, 41, 0),
+    (7, "b", 1, 22, 0), (7, "d", 3, 42, 0),
+    (9, "b", 1, 30, 0), (9, "d", 3, 45, 0),
+    (10, "b", 1, 31, 0), (10, "d", 3, 48, 0),
+]
+DECODE_RUNS = [  # (step, steps, request, tokens, computed_before, new_blocks)
+    (5, 1, "a", 1, 10, 0), (5, 3, "b", 1, 20, 2), (9, 2, "b", 1, 30, 0), (5, 1, "c", 1, 30, 0),
+    (5, 2, "d", 1, 40, 0), (7, 1, "d", 3, 42, 0), (9, 2, "d", 3, 45, 0),
+]
+
+
+def expanded(cols: dict) -> list[tuple]:
+    """The step_requests rows decode_runs columns stand for, as ingest expands them, sorted."""
+    from kvtrace.ingest.shards import expand_decode_runs
+
+    batch = table(cols, "decode_runs").to_batches()[0]
+    rows = expand_decode_runs(batch).to_pylist()
+    assert {(r["phase"], r["chunk_index"], r["kind"]) for r in rows} == {("decode", -1, "running")}
+    return sorted((r["step"], r["request_id"], r["tokens"], r["computed_before"], r["new_blocks"]) for r in rows)
+
+
 @pytest.mark.parametrize("kind", ["python", "native"])
-def test_decode_log_rows(kind):
+def test_decode_log_keeps_runs_that_expand_to_every_row(kind):
     if kind == "native" and columns._columns is None:
         pytest.skip(f"native logs not built: {columns.NATIVE_MISSING}")
     log = columns.DecodeLog() if kind == "python" else columns.NativeDecodeLog()
-    assert decode_script(log) == [False] * 4
-    assert log.rows == 8
-    rows = table(log.take(), "step_requests").to_pylist()
-    assert [(r["step"], r["request_id"], r["tokens"], r["computed_before"], r["new_blocks"]) for r in rows] == [
-        (5, "a", 1, 10, 0), (5, "b", 1, 20, 2), (5, "c", 1, 30, 0), (5, "d", 1, 40, 0),
-        (6, "b", 1, 21, 0), (6, "d", 1, 41, 0),
-        (7, "b", 1, 22, 0), (7, "d", 3, 42, 0),
-    ]
-    assert {(r["phase"], r["chunk_index"], r["kind"]) for r in rows} == {("decode", -1, "running")}
-    assert log.take() is None
+    assert decode_script(log) == [False] * 6
+    assert log.rows == len(DECODE_ROWS)
+    cols = log.take()
+    runs = table(cols, "decode_runs").to_pylist()
+    assert sorted((r["request_id"], r["step"], r["steps"], r["tokens"], r["computed_before"], r["new_blocks"])
+                  for r in runs) == sorted((rid, st, n, t, c, b) for st, n, rid, t, c, b in DECODE_RUNS)
+    assert expanded(cols) == sorted(DECODE_ROWS)
+    assert log.rows == 0 and log.take() is None
 
 
 @native_only
-def test_decode_log_errors_leave_whole_rows():
+def test_decode_log_runs_end_at_a_take_and_go_on_after_it():
+    """take() ends every open run (its rows reach the recorder); the next step starts new ones. Requests
+    with equal ids in different str objects, and a table that grows past its first size, keep their runs."""
     log = columns.NativeDecodeLog()
+    ids = [f"req-{i}" for i in range(700)]  # more open runs than the first 256 slots hold
+    log.add(1, ids, list(range(700)), [None] * 700, None, None)
+    log.add(2, ids, [c + 1 for c in range(700)], [None] * 700, None, None)
+    first = table(log.take(), "decode_runs").to_pylist()
+    assert len(first) == 700 and {(r["step"], r["steps"]) for r in first} == {(1, 2)}
+    same_text = ["".join(["req-", str(i)]) for i in range(700)]  # equal ids, other objects
+    log.add(3, same_text, [c + 2 for c in range(700)], [None] * 700, None, None)
+    log.add(4, ids, [c + 3 for c in range(700)], [None] * 700, None, None)
+    rows = expanded(log.take())
+    assert rows == sorted((s, f"req-{i}", 1, i + s - 1, 0) for i in range(700) for s in (3, 4))
+
+
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_decode_log_errors_change_nothing(kind):
+    if kind == "native" and columns._columns is None:
+        pytest.skip(f"native logs not built: {columns.NATIVE_MISSING}")
+    log = columns.DecodeLog() if kind == "python" else columns.NativeDecodeLog()
     log.add(1, ["a", "b"], [1, 2], [None, None], None, None)
     with pytest.raises(ValueError):
         log.add(2, ["a"], [1, 2], [None], None, None)
-    with pytest.raises(TypeError):
-        log.add(2, ["a", "b", "c"], [1, 2, "x"], [None] * 3, None, None)  # fails at its third row
     with pytest.raises(KeyError):
-        log.add(2, ["a", "b"], [1, 2], [None] * 2, None, {"a": 1})
+        log.add(2, ["a", "b"], [2, 3], [None] * 2, None, {"a": 1})
+    if kind == "native":  # the Python log converts at take(); the native one reads each value now
+        with pytest.raises(TypeError):
+            log.add(2, ["a", "b", "c"], [2, 3, "x"], [None] * 3, None, None)  # fails at its third row
+        with pytest.raises(TypeError):
+            log.add(2, ["a", 7], [2, 3], [None] * 2, None, None)  # an id that is not a str
     assert log.rows == 2
-    log.add(3, ["c"], [5], [None], None, None)
-    rows = table(log.take(), "step_requests").to_pylist()
-    assert [(r["step"], r["request_id"], r["computed_before"]) for r in rows] == [(1, "a", 1), (1, "b", 2), (3, "c", 5)]
+    log.add(2, ["a", "c"], [2, 5], [None, None], None, None)
+    assert expanded(log.take()) == [(1, "a", 1, 1, 0), (1, "b", 1, 2, 0), (2, "a", 1, 2, 0), (2, "c", 1, 5, 0)]
+
+
+def test_damaged_decode_runs_are_refused_in_one_line():
+    from kvtrace.errors import KvtraceError
+    from kvtrace.ingest.shards import expand_decode_runs
+
+    def batch(steps, computed=0):
+        return table({"step": [1], "steps": [steps], "request_id": ["r"], "tokens": [1],
+                      "computed_before": [computed], "new_blocks": [0]}, "decode_runs").to_batches()[0]
+
+    assert expand_decode_runs(batch(3)).num_rows == 3
+    for bad in (batch(0), batch(-4), batch(1 << 30), batch(3, computed=2**31 - 2)):
+        with pytest.raises(KvtraceError, match="decode_runs.*not a shard kvtrace wrote"):
+            expand_decode_runs(bad)
 
 
 # ---- a real driven scheduler: the same tables with either log ---------------------------------------
@@ -399,6 +460,10 @@ def test_native_and_python_logs_record_the_same_run(tmp_path, monkeypatch):
     native, python = results["native"], results["python"]
     assert len(native["preemptions"]) > 0  # the workload preempts
     assert {r["event"] for r in native["block_events"]} >= {"alloc", "free", "touch", "cache", "evict"}
+    # Decode rows come as runs, which the two logs end in different orders: compared by step and request.
+    for t in ("step_requests",):
+        for kind in (native, python):
+            kind[t].sort(key=lambda r: (r["step"], r["request_id"]))
     for t in ("block_events", "step_requests"):
         assert len(native[t]) == len(python[t]) > 0
         assert native[t] == python[t], t

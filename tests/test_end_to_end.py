@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtrace import schema
 from tests.conftest import VLLM_ENV, kvtrace_cmd, record_workload, run_kvtrace
 from tests.conftest import query as q
 
@@ -99,7 +100,7 @@ def test_reingest_is_idempotent(recorded_run, tmp_path):
 
 def test_manifest(recorded_run):
     manifest = json.loads((recorded_run["session"] / "manifest.json").read_text())
-    assert manifest["schema_version"] == 1 and manifest["status"] == "complete"
+    assert manifest["schema_version"] == schema.SCHEMA_VERSION and manifest["status"] == "complete"
     assert manifest["exit_code"] == 0
     cfg = manifest["engine_config"]
     assert cfg["block_size"] == 32 and cfg["num_kv_blocks"] == 40 and cfg["max_num_seqs"] == 8
