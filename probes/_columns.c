@@ -1193,18 +1193,34 @@ static PyTypeObject BlockHookType = {
 
    Most step_requests rows are decodes, and a decoding request's rows follow each other: step s+1,
    the same tokens (1, or the speculative count), computed_before grown by those tokens, no new block.
-   The log keeps one open run per request (keyed by the request id object: vLLM passes the same str
-   every step) and writes a `decode_runs` row only when a run ends (a gap in steps, other tokens, a
-   new block, another computed count) or at take(); ingest expands each run into its rows
+   The log keeps them as runs (a `decode_runs` row each: first step, steps, request, tokens, computed
+   before the first step, new blocks in the first step), which ingest expands back into their rows
    (kvtrace.ingest.shards.expand_decode_runs). A request decodes ~30 steps per block it fills, so the
-   columns hold ~20x fewer rows than one per (step, request), and the string of its id is copied
-   once per run instead of every step: less to write, hand over and serialise (docs/performance.md). */
+   log hands over ~20x fewer rows than one per (step, request), and copies each request id once per
+   run instead of every step.
+
+   Finding a request's run must not cost a cache miss per row: vLLM lists its running requests in the
+   same order from one step to the next (finished ones leave, new ones join at the end), so the log
+   keeps the last call's rows in that order (`prev`: the request id object, its run, computed count,
+   tokens) and walks them beside the new call's ids, both sequentially. A request found at the walk's
+   cursor (or a few places past it: the ones between have left) goes on with its run if the row
+   continues it; any other row opens a run. A previous row that is not continued ends its run there.
+   A request that comes back out of order just opens another run: runs are exact however they are
+   cut. Runs and their rows reach the columns only at take(). */
+
+#define DECODE_LOOKAHEAD 8 /* previous rows the walk may skip to find a request (the ones that left) */
 
 typedef struct {
-    PyObject *rid; /* the request id (own reference: its address cannot be reused meanwhile); NULL: empty */
-    int64_t first_step, last_step;
-    int32_t first_computed, last_computed, tokens, first_blocks;
-} OpenRun;
+    PyObject *rid; /* the request id (own reference: its address cannot be reused meanwhile) */
+    int64_t first_step;
+    int32_t steps; /* 0 while the run is open (in `prev`) */
+    int32_t first_computed, tokens, first_blocks;
+} DecodeRun;
+
+typedef struct {
+    PyObject *rid; /* borrowed from its run */
+    int32_t run, computed, tokens;
+} DecodeLast;
 
 typedef struct {
     int32_t computed, tokens, blocks;
@@ -1212,17 +1228,16 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    Py_ssize_t rows; /* decode rows added since the last take (what the runs stand for) */
-    Py_ssize_t runs; /* runs ended into the columns since the last take */
-    Buf step, steps, computed, tokens, new_blocks;
-    StrCol rid;
-    OpenRun *open; /* open runs: open addressing, linear probing, a power of two of slots; emptied
-                      only at take, so a key's probe path never has a hole in it */
-    Py_ssize_t open_cap, open_used;
-    DecodeRow *scratch; /* one call's rows, read and checked before anything is changed */
+    Py_ssize_t rows;                /* decode rows added since the last take (what the runs stand for) */
+    DecodeRun *runs;                /* every run since the last take, in the order they opened */
+    Py_ssize_t nruns, runs_cap;
+    DecodeLast *prev, *cur;         /* the last call's decode rows in its order, and the call's own */
+    Py_ssize_t nprev, last_cap;
+    int64_t prev_step;
+    DecodeRow *scratch;             /* one call's rows, read and checked before anything is changed */
     Py_ssize_t scratch_cap;
     int64_t since_ns, flush_ns;
-    Py_ssize_t flush_rows;
+    Py_ssize_t flush_rows;          /* runs held before add() asks for a take */
 } DecodeLog;
 
 static int DecodeLog_init(DecodeLog *self, PyObject *args, PyObject *kw) {
@@ -1237,85 +1252,60 @@ static int DecodeLog_init(DecodeLog *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-static inline Py_ssize_t run_slot(DecodeLog *self, PyObject *rid) {
-    uint64_t x = ((uint64_t)(uintptr_t)rid >> 4) * 0x9E3779B97F4A7C15ULL;
-    Py_ssize_t i = (Py_ssize_t)(x >> 32) & (self->open_cap - 1);
-    while (self->open[i].rid != NULL && self->open[i].rid != rid)
-        i = (i + 1) & (self->open_cap - 1);
-    return i;
-}
-
-/* Room for `more` open runs at most half full (a probe then stays short). */
-static int open_reserve(DecodeLog *self, Py_ssize_t more) {
-    if (2 * (self->open_used + more) <= self->open_cap)
-        return 0;
-    Py_ssize_t cap = self->open_cap ? self->open_cap : 256;
-    while (2 * (self->open_used + more) > cap)
-        cap *= 2;
-    OpenRun *old = self->open, *fresh = PyMem_Calloc((size_t)cap, sizeof(OpenRun));
-    if (fresh == NULL) {
-        PyErr_NoMemory();
-        return -1;
+/* Room for `n` rows of one call: scratch, the call's own rows, and as many new runs. */
+static int decode_reserve(DecodeLog *self, Py_ssize_t n) {
+    if (n > self->scratch_cap) {
+        DecodeRow *s = PyMem_Realloc(self->scratch, (size_t)n * sizeof(DecodeRow));
+        if (s == NULL)
+            goto nomem;
+        self->scratch = s;
+        self->scratch_cap = n;
     }
-    Py_ssize_t old_cap = self->open_cap;
-    self->open = fresh;
-    self->open_cap = cap;
-    for (Py_ssize_t i = 0; i < old_cap; i++)
-        if (old[i].rid != NULL)
-            self->open[run_slot(self, old[i].rid)] = old[i];
-    PyMem_Free(old);
+    if (n > self->last_cap) {
+        DecodeLast *p = PyMem_Realloc(self->prev, (size_t)n * sizeof(DecodeLast));
+        if (p == NULL)
+            goto nomem;
+        self->prev = p;
+        DecodeLast *c = PyMem_Realloc(self->cur, (size_t)n * sizeof(DecodeLast));
+        if (c == NULL)
+            goto nomem; /* prev is larger than needed: harmless */
+        self->cur = c;
+        self->last_cap = n;
+    }
+    if (self->nruns + n > self->runs_cap) {
+        Py_ssize_t cap = self->runs_cap ? self->runs_cap : 1024;
+        while (cap < self->nruns + n)
+            cap *= 2;
+        DecodeRun *r = PyMem_Realloc(self->runs, (size_t)cap * sizeof(DecodeRun));
+        if (r == NULL)
+            goto nomem;
+        self->runs = r;
+        self->runs_cap = cap;
+    }
     return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
 }
 
-/* Write an open run as a decode_runs row (room reserved by the caller). */
-static void run_write(DecodeLog *self, OpenRun *r) {
-    const char *u;
-    Py_ssize_t k;
-    str_text(r->rid, &u, &k); /* cannot fail: checked when the run opened */
-    STORE(&self->step, int64_t, r->first_step);
-    STORE(&self->steps, int32_t, r->last_step - r->first_step + 1);
-    str_write(&self->rid, self->runs, u, k);
-    STORE(&self->tokens, int32_t, r->tokens);
-    STORE(&self->computed, int32_t, r->first_computed);
-    STORE(&self->new_blocks, int32_t, r->first_blocks);
-    self->runs++;
+/* The run of previous row `p` ends with the last call's step. */
+static inline void end_run(DecodeLog *self, DecodeLast *p) {
+    DecodeRun *r = &self->runs[p->run];
+    r->steps = (int32_t)(self->prev_step - r->first_step + 1);
 }
 
-/* Room for `n` more runs in the columns, `text` bytes of request ids among them. */
-static int runs_reserve(DecodeLog *self, Py_ssize_t n, Py_ssize_t text) {
-    return buf_reserve(&self->step, n * 8) < 0 || buf_reserve(&self->steps, n * 4) < 0
-                   || buf_reserve(&self->tokens, n * 4) < 0 || buf_reserve(&self->computed, n * 4) < 0
-                   || buf_reserve(&self->new_blocks, n * 4) < 0 || buf_reserve(&self->rid.ends, 4 + n * 4) < 0
-                   || buf_reserve(&self->rid.data, text) < 0 || buf_reserve(&self->rid.valid, 1 + n / 8 + 1) < 0
-               ? -1
-               : 0;
-}
-
-static inline int run_continues(OpenRun *r, int64_t step, DecodeRow *row) {
-    return r->last_step == step - 1 && r->tokens == row->tokens && row->blocks == 0
-           && (int64_t)row->computed == (int64_t)r->last_computed + r->tokens;
-}
-
-static void decode_free_columns(DecodeLog *self) {
-    buf_free(&self->step);
-    buf_free(&self->steps);
-    buf_free(&self->computed);
-    buf_free(&self->tokens);
-    buf_free(&self->new_blocks);
-    str_free(&self->rid);
-    self->runs = 0;
-}
-
-static void open_clear(DecodeLog *self) {
-    for (Py_ssize_t i = 0; i < self->open_cap; i++)
-        Py_CLEAR(self->open[i].rid);
-    self->open_used = 0;
+static void decode_clear(DecodeLog *self) {
+    for (Py_ssize_t i = 0; i < self->nruns; i++)
+        Py_CLEAR(self->runs[i].rid);
+    self->nruns = self->nprev = 0;
+    self->rows = 0;
 }
 
 static void DecodeLog_dealloc(DecodeLog *self) {
-    decode_free_columns(self);
-    open_clear(self);
-    PyMem_Free(self->open);
+    decode_clear(self);
+    PyMem_Free(self->runs);
+    PyMem_Free(self->prev);
+    PyMem_Free(self->cur);
     PyMem_Free(self->scratch);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1335,7 +1325,7 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
         return NULL;
     PyObject *ids = PySequence_Fast(args[1], "ids"), *comps = NULL, *news = NULL, *skip = NULL;
     PyObject *num_sched = args[5] == Py_None ? NULL : args[5];
-    Py_ssize_t j = 0, nskip = 0, m = 0, text = 0;
+    Py_ssize_t j = 0, nskip = 0;
     if (ids == NULL || (comps = PySequence_Fast(args[2], "computed")) == NULL
         || (news = PySequence_Fast(args[3], "new_block_ids")) == NULL)
         goto error;
@@ -1349,18 +1339,9 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_ValueError, "ids, computed and new_block_ids differ in length");
         goto error;
     }
-    if (n > self->scratch_cap) {
-        DecodeRow *s = PyMem_Realloc(self->scratch, (size_t)n * sizeof(DecodeRow));
-        if (s == NULL) {
-            PyErr_NoMemory();
-            goto error;
-        }
-        self->scratch = s;
-        self->scratch_cap = n;
-    }
-    if (open_reserve(self, n) < 0)
+    if (decode_reserve(self, n) < 0)
         goto error;
-    /* Read and check every row; note the text of the runs this call will end. */
+    /* Read and check every row. */
     Py_ssize_t next_skip = nskip ? PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(skip, 0)) : -1;
     if (next_skip == -1 && PyErr_Occurred())
         goto error;
@@ -1375,6 +1356,10 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
             continue;
         }
         PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
+        if (!PyUnicode_Check(rid)) {
+            PyErr_Format(PyExc_TypeError, "request id %R is not a str", rid);
+            goto error;
+        }
         long long computed = as_int64(PySequence_Fast_GET_ITEM(comps, i));
         if (computed == -1 && PyErr_Occurred())
             goto error;
@@ -1418,54 +1403,58 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
         row->computed = (int32_t)computed;
         row->tokens = (int32_t)tokens;
         row->blocks = (int32_t)nb;
-        OpenRun *r = &self->open[run_slot(self, rid)];
-        const char *u;
-        Py_ssize_t k;
-        if (r->rid == NULL) { /* a run opens: its id must be text */
-            if (str_text(rid, &u, &k) < 0)
-                goto error;
-            if (u == NULL) {
-                PyErr_Format(PyExc_TypeError, "request id %R is not a str", rid);
-                goto error;
-            }
-        } else if (!run_continues(r, step, row)) { /* this call ends that run */
-            str_text(r->rid, &u, &k);
-            text += k;
-            m++;
-        }
     }
-    if (runs_reserve(self, m, text) < 0)
-        goto error;
-    /* Nothing below fails. */
+    /* Nothing below fails: walk the previous rows beside this call's. */
+    Py_ssize_t p = 0, ncur = 0;
+    int consecutive = self->prev_step == step - 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         DecodeRow *row = &self->scratch[i];
         if (row->tokens < 0)
             continue;
         PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
-        OpenRun *r = &self->open[run_slot(self, rid)];
-        if (r->rid != NULL && run_continues(r, step, row)) {
-            r->last_step = step;
-            r->last_computed = row->computed;
-        } else {
-            if (r->rid != NULL)
-                run_write(self, r);
-            else {
-                r->rid = Py_NewRef(rid);
-                self->open_used++;
+        DecodeLast *last = NULL;
+        for (Py_ssize_t k = p; k < self->nprev && k <= p + DECODE_LOOKAHEAD; k++) {
+            if (self->prev[k].rid == rid) {
+                for (; p < k; p++) /* the rows between have left (finished, preempted, waiting) */
+                    end_run(self, &self->prev[p]);
+                last = &self->prev[p++];
+                break;
             }
-            r->first_step = r->last_step = step;
-            r->first_computed = r->last_computed = row->computed;
+        }
+        DecodeLast *c = &self->cur[ncur++];
+        c->rid = rid;
+        c->computed = row->computed;
+        c->tokens = row->tokens;
+        if (last != NULL && consecutive && row->blocks == 0 && row->tokens == last->tokens
+            && (int64_t)row->computed == (int64_t)last->computed + last->tokens) {
+            c->run = last->run; /* the run goes on */
+        } else {
+            if (last != NULL)
+                end_run(self, last);
+            DecodeRun *r = &self->runs[self->nruns];
+            r->rid = Py_NewRef(rid);
+            r->first_step = step;
+            r->steps = 0;
+            r->first_computed = row->computed;
             r->tokens = row->tokens;
             r->first_blocks = row->blocks;
+            c->run = (int32_t)self->nruns++;
         }
         self->rows++;
     }
+    for (; p < self->nprev; p++) /* not in this call: their runs end */
+        end_run(self, &self->prev[p]);
+    DecodeLast *swap = self->prev;
+    self->prev = self->cur;
+    self->cur = swap;
+    self->nprev = ncur;
+    self->prev_step = step;
     Py_DECREF(ids);
     Py_DECREF(comps);
     Py_DECREF(news);
     Py_XDECREF(skip);
     int64_t t = now_ns();
-    return PyBool_FromLong(self->runs >= self->flush_rows || t - self->since_ns >= self->flush_ns);
+    return PyBool_FromLong(self->nruns >= self->flush_rows || t - self->since_ns >= self->flush_ns);
 error:
     Py_XDECREF(ids);
     Py_XDECREF(comps);
@@ -1474,36 +1463,51 @@ error:
     return NULL;
 }
 
-/* Every open run ended (the runs so far as column buffers, a dict), and an empty log; None when there
-   are none. */
+/* Every run so far as decode_runs column buffers (a dict; the open ones end here), and an empty log;
+   None when there are none. */
 static PyObject *DecodeLog_take_raw(DecodeLog *self, PyObject *unused) {
-    Py_ssize_t text = 0;
-    for (Py_ssize_t i = 0; i < self->open_cap; i++) {
-        if (self->open[i].rid != NULL) {
-            const char *u;
-            Py_ssize_t k;
-            str_text(self->open[i].rid, &u, &k);
-            text += k;
-        }
-    }
-    if (runs_reserve(self, self->open_used, text) < 0)
-        return NULL;
-    for (Py_ssize_t i = 0; i < self->open_cap; i++)
-        if (self->open[i].rid != NULL)
-            run_write(self, &self->open[i]);
-    open_clear(self);
     self->since_ns = now_ns();
-    Py_ssize_t rows = self->rows;
-    self->rows = 0;
-    if (self->runs == 0)
+    if (self->nruns == 0) {
+        self->rows = self->nprev = 0;
         Py_RETURN_NONE;
-    PyObject *out = Py_BuildValue("{s:n,s:n,s:N,s:N,s:N,s:N,s:N,s:N}", "runs", self->runs, "rows", rows,
-                                  "step", buf_take(&self->step), "steps", buf_take(&self->steps),
-                                  "request_id", str_take(&self->rid), "tokens", buf_take(&self->tokens),
-                                  "computed_before", buf_take(&self->computed), "new_blocks",
-                                  buf_take(&self->new_blocks));
-    decode_free_columns(self);
-    return out;
+    }
+    Buf step = {0}, steps = {0}, tokens = {0}, computed = {0}, blocks = {0};
+    StrCol rid = {{0}};
+    Py_ssize_t n = self->nruns, text = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *u;
+        Py_ssize_t k;
+        if (str_text(self->runs[i].rid, &u, &k) < 0)
+            return NULL;
+        text += k;
+    }
+    if (buf_reserve(&step, n * 8) < 0 || buf_reserve(&steps, n * 4) < 0 || buf_reserve(&tokens, n * 4) < 0
+        || buf_reserve(&computed, n * 4) < 0 || buf_reserve(&blocks, n * 4) < 0
+        || buf_reserve(&rid.ends, 4 + n * 4) < 0 || buf_reserve(&rid.data, text) < 0
+        || buf_reserve(&rid.valid, n / 8 + 1) < 0) {
+        buf_free(&step), buf_free(&steps), buf_free(&tokens), buf_free(&computed), buf_free(&blocks);
+        str_free(&rid);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->nprev; i++) /* the open runs end with the last call's step */
+        end_run(self, &self->prev[i]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        DecodeRun *r = &self->runs[i];
+        const char *u;
+        Py_ssize_t k;
+        str_text(r->rid, &u, &k); /* cannot fail: done above */
+        STORE(&step, int64_t, r->first_step);
+        STORE(&steps, int32_t, r->steps);
+        str_write(&rid, i, u, k);
+        STORE(&tokens, int32_t, r->tokens);
+        STORE(&computed, int32_t, r->first_computed);
+        STORE(&blocks, int32_t, r->first_blocks);
+    }
+    Py_ssize_t rows = self->rows;
+    decode_clear(self);
+    return Py_BuildValue("{s:n,s:n,s:N,s:N,s:N,s:N,s:N,s:N}", "runs", n, "rows", rows, "step", buf_take(&step),
+                         "steps", buf_take(&steps), "request_id", str_take(&rid), "tokens", buf_take(&tokens),
+                         "computed_before", buf_take(&computed), "new_blocks", buf_take(&blocks));
 }
 
 static PyObject *DecodeLog_get_rows(DecodeLog *self, void *closure) { return PyLong_FromSsize_t(self->rows); }

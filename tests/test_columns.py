@@ -395,6 +395,61 @@ def test_decode_log_runs_end_at_a_take_and_go_on_after_it():
 
 
 @pytest.mark.parametrize("kind", ["python", "native"])
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_log_runs_expand_to_exactly_the_rows_added(kind, seed):
+    """Steps shaped like vLLM's (requests leave from anywhere, join at the end, come back preempted,
+    sometimes out of order; a step skipped; speculative token counts; new blocks; takes in between):
+    the runs handed over expand to exactly the rows added, whatever they were cut into."""
+    import random
+
+    if kind == "native" and columns._columns is None:
+        pytest.skip(f"native logs not built: {columns.NATIVE_MISSING}")
+    rng = random.Random(seed)
+    log = columns.DecodeLog() if kind == "python" else columns.NativeDecodeLog()
+    running: list[str] = []
+    computed: dict[str, int] = {}
+    added, got, step, next_id, runs = [], [], 0, 0, 0
+    for _ in range(300):
+        step += 2 if rng.random() < 0.03 else 1  # now and then a step with no decode rows
+        for rid in list(running):
+            if rng.random() < 0.05:
+                running.remove(rid)  # finished or preempted
+        while len(running) < 40 and rng.random() < 0.7:
+            rid = f"req-{next_id}" if rng.random() < 0.9 or not computed else rng.choice(list(computed))
+            next_id += 1
+            if rid not in running:
+                running.append(rid)
+                computed[rid] = computed.get(rid, rng.randrange(100)) + rng.randrange(3)
+        if rng.random() < 0.05 and len(running) > 2:  # out of order, past the walk's lookahead too
+            i, k = rng.randrange(len(running)), rng.randrange(len(running))
+            running[i], running[k] = running[k], running[i]
+        ids = [str(r) for r in running] if rng.random() < 0.02 else list(running)  # other str objects
+        skip = sorted(rng.sample(range(len(ids)), k=min(len(ids), rng.randrange(3)))) or None
+        sched = {r: rng.choice((1, 1, 1, 3)) for r in ids} if rng.random() < 0.2 else None
+        news = [([7] * rng.randrange(1, 3),) if rng.random() < 0.05 else None for _ in ids]
+        comps = [computed[r] for r in ids]
+        for i, rid in enumerate(ids):
+            if skip and i in skip:
+                continue
+            t = sched[rid] if sched else 1
+            added.append((step, rid, t, comps[i], len(news[i][0]) if news[i] else 0))
+        log.add(step, ids, comps, news, skip, sched)
+        for i, rid in enumerate(ids):
+            computed[rid] += sched[rid] if sched else 1
+        if rng.random() < 0.05:
+            cols = log.take()
+            if cols is not None:
+                got += expanded(cols)
+                runs += len(cols["step"])
+    cols = log.take()
+    if cols is not None:
+        got += expanded(cols)
+        runs += len(cols["step"])
+    assert sorted(got) == sorted(added) and len(added) > 5000
+    assert runs < len(added) / 2  # runs, not a row each (this workload cuts them often)
+
+
+@pytest.mark.parametrize("kind", ["python", "native"])
 def test_decode_log_errors_change_nothing(kind):
     if kind == "native" and columns._columns is None:
         pytest.skip(f"native logs not built: {columns.NATIVE_MISSING}")
