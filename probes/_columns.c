@@ -1218,13 +1218,10 @@ typedef struct {
 } DecodeRun;
 
 typedef struct {
-    PyObject *rid; /* borrowed from its run */
-    int32_t run, computed, tokens;
+    PyObject *rid; /* borrowed from its run (while add() reads a call's rows: from the call's list) */
+    int32_t run;   /* index in `runs` (while add() reads a call's rows: the row's new blocks) */
+    int32_t computed, tokens;
 } DecodeLast;
-
-typedef struct {
-    int32_t computed, tokens, blocks;
-} DecodeRow;
 
 typedef struct {
     PyObject_HEAD
@@ -1234,8 +1231,6 @@ typedef struct {
     DecodeLast *prev, *cur;         /* the last call's decode rows in its order, and the call's own */
     Py_ssize_t nprev, last_cap;
     int64_t prev_step;
-    DecodeRow *scratch;             /* one call's rows, read and checked before anything is changed */
-    Py_ssize_t scratch_cap;
     int64_t since_ns, flush_ns;
     Py_ssize_t flush_rows;          /* runs held before add() asks for a take */
 } DecodeLog;
@@ -1252,15 +1247,8 @@ static int DecodeLog_init(DecodeLog *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-/* Room for `n` rows of one call: scratch, the call's own rows, and as many new runs. */
+/* Room for `n` rows of one call, and as many new runs. */
 static int decode_reserve(DecodeLog *self, Py_ssize_t n) {
-    if (n > self->scratch_cap) {
-        DecodeRow *s = PyMem_Realloc(self->scratch, (size_t)n * sizeof(DecodeRow));
-        if (s == NULL)
-            goto nomem;
-        self->scratch = s;
-        self->scratch_cap = n;
-    }
     if (n > self->last_cap) {
         DecodeLast *p = PyMem_Realloc(self->prev, (size_t)n * sizeof(DecodeLast));
         if (p == NULL)
@@ -1306,7 +1294,6 @@ static void DecodeLog_dealloc(DecodeLog *self) {
     PyMem_Free(self->runs);
     PyMem_Free(self->prev);
     PyMem_Free(self->cur);
-    PyMem_Free(self->scratch);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1341,14 +1328,13 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
     }
     if (decode_reserve(self, n) < 0)
         goto error;
-    /* Read and check every row. */
+    /* Read and check every decode row into `cur` (nothing else changes until all are read). */
+    Py_ssize_t ncur = 0;
     Py_ssize_t next_skip = nskip ? PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(skip, 0)) : -1;
     if (next_skip == -1 && PyErr_Occurred())
         goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
-        DecodeRow *row = &self->scratch[i];
-        row->tokens = -1; /* not a decode row */
-        if (i == next_skip) {
+        if (i == next_skip) { /* a prefill row */
             j++;
             next_skip = j < nskip ? PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(skip, j)) : -1;
             if (next_skip == -1 && PyErr_Occurred())
@@ -1400,48 +1386,44 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
             PyErr_Format(PyExc_OverflowError, "decode row of %R out of int32 range", rid);
             goto error;
         }
-        row->computed = (int32_t)computed;
-        row->tokens = (int32_t)tokens;
-        row->blocks = (int32_t)nb;
+        DecodeLast *c = &self->cur[ncur++];
+        c->rid = rid;
+        c->run = (int32_t)nb;
+        c->computed = (int32_t)computed;
+        c->tokens = (int32_t)tokens;
     }
     /* Nothing below fails: walk the previous rows beside this call's. */
-    Py_ssize_t p = 0, ncur = 0;
+    Py_ssize_t p = 0;
     int consecutive = self->prev_step == step - 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        DecodeRow *row = &self->scratch[i];
-        if (row->tokens < 0)
-            continue;
-        PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
+    for (Py_ssize_t i = 0; i < ncur; i++) {
+        DecodeLast *c = &self->cur[i];
+        int32_t blocks = c->run;
         DecodeLast *last = NULL;
         for (Py_ssize_t k = p; k < self->nprev && k <= p + DECODE_LOOKAHEAD; k++) {
-            if (self->prev[k].rid == rid) {
+            if (self->prev[k].rid == c->rid) {
                 for (; p < k; p++) /* the rows between have left (finished, preempted, waiting) */
                     end_run(self, &self->prev[p]);
                 last = &self->prev[p++];
                 break;
             }
         }
-        DecodeLast *c = &self->cur[ncur++];
-        c->rid = rid;
-        c->computed = row->computed;
-        c->tokens = row->tokens;
-        if (last != NULL && consecutive && row->blocks == 0 && row->tokens == last->tokens
-            && (int64_t)row->computed == (int64_t)last->computed + last->tokens) {
+        if (last != NULL && consecutive && blocks == 0 && c->tokens == last->tokens
+            && (int64_t)c->computed == (int64_t)last->computed + last->tokens) {
             c->run = last->run; /* the run goes on */
         } else {
             if (last != NULL)
                 end_run(self, last);
             DecodeRun *r = &self->runs[self->nruns];
-            r->rid = Py_NewRef(rid);
+            r->rid = Py_NewRef(c->rid);
             r->first_step = step;
             r->steps = 0;
-            r->first_computed = row->computed;
-            r->tokens = row->tokens;
-            r->first_blocks = row->blocks;
+            r->first_computed = c->computed;
+            r->tokens = c->tokens;
+            r->first_blocks = blocks;
             c->run = (int32_t)self->nruns++;
         }
-        self->rows++;
     }
+    self->rows += ncur;
     for (; p < self->nprev; p++) /* not in this call: their runs end */
         end_run(self, &self->prev[p]);
     DecodeLast *swap = self->prev;

@@ -46,6 +46,7 @@ CASES = [
     ("shard_is_directory", "ingest", "not a file"),
     ("manifest_is_directory", "ingest", "unreadable manifest"),
     ("shard_unknown_table", "ingest", "unknown table"),
+    ("decode_runs_zero_steps", "ingest", "decode run of 0 steps"),
     ("random_bytes.sqlite", "nsys", "not an SQLite database"),
     ("empty.sqlite", "nsys", "empty file"),
     ("not_nsys.sqlite", "nsys", "not an Nsight Systems export"),
@@ -166,6 +167,12 @@ def make_sessions() -> None:
     bad_ids = pa.Array.from_buffers(pa.string(), 2, ids.buffers())
     cols = [bad_ids if f.name == "request_id" else good.column(i) for i, f in enumerate(good.schema)]
     write_raw(pdir / "request_events.00000.arrows", pa.RecordBatch.from_arrays(cols, schema=good.schema))
+
+    # Decode runs of no step (each stands for `steps` step_requests rows: ingest cannot expand it).
+    run = {"step": [3], "steps": [0], "request_id": ["job0-turn0"], "tokens": [1], "computed_before": [40],
+           "new_blocks": [0]}
+    write_shard(session("decode_runs_zero_steps", manifest()), "decode_runs",
+                [[tuple(run[f.name][0] for f in schema.arrow_schema("decode_runs"))]])
 
     # Directories where files are expected (a `.keep` inside, as git keeps no empty directories).
     pdir = session("shard_is_directory", manifest())
