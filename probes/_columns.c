@@ -1202,13 +1202,11 @@ static PyTypeObject BlockHookType = {
    Finding a request's run must not cost a cache miss per row: vLLM lists its running requests in the
    same order from one step to the next (finished ones leave, new ones join at the end), so the log
    keeps the last call's rows in that order (`prev`: the request id object, its run, computed count,
-   tokens) and walks them beside the new call's ids, both sequentially. A request found at the walk's
-   cursor (or a few places past it: the ones between have left) goes on with its run if the row
-   continues it; any other row opens a run. A previous row that is not continued ends its run there.
-   A request that comes back out of order just opens another run: runs are exact however they are
-   cut. Runs and their rows reach the columns only at take(). */
-
-#define DECODE_LOOKAHEAD 8 /* previous rows the walk may skip to find a request (the ones that left) */
+   tokens) and walks them beside the new call's ids, both sequentially: a request is looked for from
+   the walk's cursor on (it is nearly always there, or a place or two on where requests left), then
+   from the start (a request vLLM moved). Found, its row goes on with its run if it continues it; any
+   other row opens a run. A previous row that no row of this call took ends its run. Runs are exact
+   however they are cut; they and their rows reach the columns only at take(). */
 
 typedef struct {
     PyObject *rid; /* the request id (own reference: its address cannot be reused meanwhile) */
@@ -1273,6 +1271,18 @@ static int decode_reserve(DecodeLog *self, Py_ssize_t n) {
     return 0;
 nomem:
     PyErr_NoMemory();
+    return -1;
+}
+
+/* Where request `rid` is among the previous rows not taken yet: from `p` on (usually `p` itself: the
+   same order as the last call), then from the start; -1 if not there (a new run). */
+static inline Py_ssize_t find_last(DecodeLog *self, PyObject *rid, Py_ssize_t p) {
+    for (Py_ssize_t k = p; k < self->nprev; k++)
+        if (self->prev[k].rid == rid)
+            return k;
+    for (Py_ssize_t k = 0; k < p && k < self->nprev; k++)
+        if (self->prev[k].rid == rid)
+            return k;
     return -1;
 }
 
@@ -1398,14 +1408,11 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
     for (Py_ssize_t i = 0; i < ncur; i++) {
         DecodeLast *c = &self->cur[i];
         int32_t blocks = c->run;
-        DecodeLast *last = NULL;
-        for (Py_ssize_t k = p; k < self->nprev && k <= p + DECODE_LOOKAHEAD; k++) {
-            if (self->prev[k].rid == c->rid) {
-                for (; p < k; p++) /* the rows between have left (finished, preempted, waiting) */
-                    end_run(self, &self->prev[p]);
-                last = &self->prev[p++];
-                break;
-            }
+        Py_ssize_t k = find_last(self, c->rid, p);
+        DecodeLast *last = k < 0 ? NULL : &self->prev[k];
+        if (last != NULL) {
+            last->rid = NULL; /* taken: not found again, and its run does not end below */
+            p = k + 1;
         }
         if (last != NULL && consecutive && blocks == 0 && c->tokens == last->tokens
             && (int64_t)c->computed == (int64_t)last->computed + last->tokens) {
@@ -1424,8 +1431,9 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
         }
     }
     self->rows += ncur;
-    for (; p < self->nprev; p++) /* not in this call: their runs end */
-        end_run(self, &self->prev[p]);
+    for (Py_ssize_t k = 0; k < self->nprev; k++) /* not in this call: their runs end */
+        if (self->prev[k].rid != NULL)
+            end_run(self, &self->prev[k]);
     DecodeLast *swap = self->prev;
     self->prev = self->cur;
     self->cur = swap;
