@@ -434,7 +434,7 @@ def test_decode_log_runs_expand_to_exactly_the_rows_added(kind, seed):
             t = sched[rid] if sched else 1
             added.append((step, rid, t, comps[i], len(news[i][0]) if news[i] else 0))
         log.add(step, ids, comps, news, skip, sched)
-        for i, rid in enumerate(ids):
+        for rid in ids:
             computed[rid] += sched[rid] if sched else 1
         if rng.random() < 0.05:
             cols = log.take()
