@@ -1356,6 +1356,13 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
             PyErr_Format(PyExc_TypeError, "request id %R is not a str", rid);
             goto error;
         }
+        if (!PyUnicode_IS_COMPACT_ASCII(rid)) { /* its UTF-8, made now (and kept by the str): a text take()
+                                                   cannot write, refused here, never poisons a take */
+            const char *u;
+            Py_ssize_t k;
+            if (str_text(rid, &u, &k) < 0)
+                goto error;
+        }
         long long computed = as_int64(PySequence_Fast_GET_ITEM(comps, i));
         if (computed == -1 && PyErr_Occurred())
             goto error;
@@ -1458,7 +1465,7 @@ error:
 static PyObject *DecodeLog_take_raw(DecodeLog *self, PyObject *unused) {
     self->since_ns = now_ns();
     if (self->nruns == 0) {
-        self->rows = self->nprev = 0;
+        decode_clear(self);
         Py_RETURN_NONE;
     }
     Buf step = {0}, steps = {0}, tokens = {0}, computed = {0}, blocks = {0};
@@ -1467,8 +1474,7 @@ static PyObject *DecodeLog_take_raw(DecodeLog *self, PyObject *unused) {
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *u;
         Py_ssize_t k;
-        if (str_text(self->runs[i].rid, &u, &k) < 0)
-            return NULL;
+        str_text(self->runs[i].rid, &u, &k); /* cannot fail: add() made each id's UTF-8 */
         text += k;
     }
     if (buf_reserve(&step, n * 8) < 0 || buf_reserve(&steps, n * 4) < 0 || buf_reserve(&tokens, n * 4) < 0
@@ -1485,7 +1491,7 @@ static PyObject *DecodeLog_take_raw(DecodeLog *self, PyObject *unused) {
         DecodeRun *r = &self->runs[i];
         const char *u;
         Py_ssize_t k;
-        str_text(r->rid, &u, &k); /* cannot fail: done above */
+        str_text(r->rid, &u, &k); /* cannot fail: add() made each id's UTF-8 */
         STORE(&step, int64_t, r->first_step);
         STORE(&steps, int32_t, r->steps);
         str_write(&rid, i, u, k);
@@ -1493,9 +1499,8 @@ static PyObject *DecodeLog_take_raw(DecodeLog *self, PyObject *unused) {
         STORE(&computed, int32_t, r->first_computed);
         STORE(&blocks, int32_t, r->first_blocks);
     }
-    Py_ssize_t rows = self->rows;
     decode_clear(self);
-    return Py_BuildValue("{s:n,s:n,s:N,s:N,s:N,s:N,s:N,s:N}", "runs", n, "rows", rows, "step", buf_take(&step),
+    return Py_BuildValue("{s:n,s:N,s:N,s:N,s:N,s:N,s:N}", "runs", n, "step", buf_take(&step),
                          "steps", buf_take(&steps), "request_id", str_take(&rid), "tokens", buf_take(&tokens),
                          "computed_before", buf_take(&computed), "new_blocks", buf_take(&blocks));
 }

@@ -464,6 +464,8 @@ def test_decode_log_errors_change_nothing(kind):
             log.add(2, ["a", "b", "c"], [2, 3, "x"], [None] * 3, None, None)  # fails at its third row
         with pytest.raises(TypeError):
             log.add(2, ["a", 7], [2, 3], [None] * 2, None, None)  # an id that is not a str
+        with pytest.raises(UnicodeEncodeError):
+            log.add(2, ["a", "b\udcff"], [2, 3], [None] * 2, None, None)  # an id with no UTF-8
     assert log.rows == 2
     log.add(2, ["a", "c"], [2, 5], [None, None], None, None)
     assert expanded(log.take()) == [(1, "a", 1, 1, 0), (1, "b", 1, 2, 0), (2, "a", 1, 2, 0), (2, "c", 1, 5, 0)]
