@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvtrace import schema
 from kvtrace.errors import KvtraceError
@@ -168,8 +169,10 @@ def expand_decode_runs(batch: pa.RecordBatch, where: object = "decode_runs") -> 
     `step + i`, `tokens` tokens, computed_before `computed_before + i * tokens`, new_blocks `new_blocks`
     for i = 0 and 0 after, phase decode, chunk_index -1, kind running. Runs come out in their order, each
     run's rows in step order. `where` names the shard in the error a damaged batch gets."""
-    if batch.num_rows and batch.column("steps").null_count + batch.column("step").null_count:
-        raise KvtraceError(f"{where}: decode_runs batch with null steps; not a shard kvtrace wrote")
+    nulls = [f.name for f, c in zip(batch.schema, batch.columns) if c.null_count]
+    if nulls:  # the log writes none: a null would expand into rows of made-up values
+        raise KvtraceError(f"{where}: decode_runs batch with nulls in {', '.join(nulls)}; not a shard "
+                           f"kvtrace wrote")
     steps = batch.column("steps").to_numpy(zero_copy_only=False).astype(np.int64)
     if batch.num_rows and (steps.min() < 1 or steps.max() > MAX_RUN_STEPS):
         raise KvtraceError(f"{where}: decode run of {int(steps.min() if steps.min() < 1 else steps.max())} "
@@ -179,7 +182,7 @@ def expand_decode_runs(batch: pa.RecordBatch, where: object = "decode_runs") -> 
     i = np.arange(total) - np.repeat(np.cumsum(steps) - steps, steps)  # the row's place in its run
 
     def column(name: str) -> np.ndarray:
-        return batch.column(name).fill_null(0).to_numpy(zero_copy_only=False)[run]
+        return batch.column(name).to_numpy(zero_copy_only=False)[run]
 
     tokens = column("tokens").astype(np.int64)
     into = schema.arrow_schema("step_requests")
@@ -202,14 +205,12 @@ def expand_decode_runs(batch: pa.RecordBatch, where: object = "decode_runs") -> 
 
 EXPAND = {"decode_runs": expand_decode_runs}
 # How many rows a run table's batch stands for, without making them.
-EXPANDED_ROWS = {"decode_runs": lambda batch: int(pa.compute.sum(batch.column("steps")).as_py() or 0)}
+EXPANDED_ROWS = {"decode_runs": lambda batch: int(pc.sum(batch.column("steps")).as_py() or 0)}
 
 
 def stored_rows(proc_dir: Path) -> dict[str, int]:
     """Rows per table that ingest would store from one process folder's shards (a run table's counted
     as the rows it expands into; block_events as calls, before unnesting)."""
-    import pyarrow.compute  # noqa: F401  (pa.compute)
-
     out: dict[str, int] = {}
     for shard in list_shards(proc_dir):
         count = EXPANDED_ROWS.get(shard.table, lambda batch: batch.num_rows)

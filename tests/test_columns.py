@@ -480,7 +480,7 @@ def test_damaged_decode_runs_are_refused_in_one_line():
                       "computed_before": [computed], "new_blocks": [0]}, "decode_runs").to_batches()[0]
 
     assert expand_decode_runs(batch(3)).num_rows == 3
-    for bad in (batch(0), batch(-4), batch(1 << 30), batch(3, computed=2**31 - 2)):
+    for bad in (batch(0), batch(-4), batch(1 << 30), batch(3, computed=2**31 - 2), batch(3, computed=None)):
         with pytest.raises(KvtraceError, match="decode_runs.*not a shard kvtrace wrote"):
             expand_decode_runs(bad)
 
