@@ -1,34 +1,43 @@
 """Cost of the host probes, step by step: identical schedulers stepped in turn, the probes on one of them.
 
-    python bench/bench_host_steps.py                # 12 rounds (~1-3 min on 2 cores)
-    python bench/bench_host_steps.py --rounds 30    # a narrower interval
+    python bench/bench_host_steps.py                 # 12 rounds (~2 min on 2 cores)
+    python bench/bench_host_steps.py --rounds 30     # a narrower interval (~5 min)
+    python bench/bench_host_steps.py --probes kv_blocks   # one probe's part
 
 Why a second benchmark. bench_host_probes.py compares whole rounds (one workload on a fresh scheduler,
-~0.4-1.5 s) with the probes off and on. On a quiet machine its rounds agree to +-1%; on a busy or slow
-shared VM they differ by 10-20% with the same code (its A/A figure), and no number of rounds narrows the
-interval to the 1-point scale of the 3% target. Most of that noise is slow (a neighbour's load, the
-host's clocks), so it cancels between things timed close together. Here each round builds three
-schedulers for the same workload (bench_host_probes' default: 256 requests in flight, shared prefixes,
-preemptions) and steps them in turn, one step each, the order rotating from step to step:
+0.4-1.5 s each) with the probes off and on. On a quiet machine its rounds agree to +-1%; on a slow,
+shared VM they differ by 10-20% with the same code (its A/A figure), and no practical number of rounds
+narrows its interval to the 1-point scale of the 3% target. Much of that noise is slow (a neighbour's
+load, the host's clocks), so it cancels between things timed close together. Here each round builds
+three schedulers for the same workload (bench_host_probes' default: 256 requests in flight, shared
+prefixes, preemptions) and steps them in turns of `--run` steps, in an order shuffled at every turn:
 
 - `on`: the probes installed as in an engine (a real `Recorder` writing Arrow shards, in the background);
-- `off` and `off2`: vLLM's own methods. The probes patch classes, so these two schedulers' Scheduler,
-  KVCacheManager and BlockPool objects are switched to subclasses that hold vLLM's original methods:
-  none of the probes' wrappers or hooks runs for them (not even a disabled one).
+- `off` and `off2`: vLLM's own methods. The probes patch vLLM's classes, so their patches are put on
+  before each of `on`'s turns and taken off before the others' (`Patches`): none of the probes' code
+  runs for `off` and `off2`, not even a disabled wrapper. (All three are instances of vLLM's own
+  classes: objects of different classes meeting in the same vLLM code make CPython 3.11's specialised
+  instructions miss in turn, which cost ~1% a step whatever the probes did. Switching a built object's
+  `__class__` is worse: its attributes are then read ~2x slower.)
 
-Each step (with the requests added after it, as a client would) is timed on the scheduler thread's CPU
-clock; the recorder's writer thread is timed on its own CPU clock between blocks of steps, and that, with
-the final flush of each round, is charged to `on`. The figure is the extra CPU of `on` over `off` per
-step, summed over blocks of `--block` steps, with a 95% bootstrap interval over blocks (blocks of
-different rounds, processes apart in time, are independent; steps of a block are not). `off2` against
-`off` is the A/A figure of the same steps: what the method itself gives with no probe (~0).
+Timing. Putting patches on or off changes the classes' versions, so the first `--warm` step(s) of a turn
+re-specialise vLLM's code and are not timed, for any scheduler. Every other step (with the requests added
+after it, as a client would) is timed on the scheduler thread's CPU clock. The recorder's writer thread
+is timed on its own CPU clock, with each round's final flush; it writes the rows of all of `on`'s steps,
+so `on` is charged its share for the steps timed. The schedulers share the wall clock (`on` steps for a
+third of each second), so the probes' and the recorder's wall-clock intervals (the logs' hand-overs, the
+writer's flushes, proc.json's refresh) are stretched threefold: they come as often per step of `on` as
+in an engine (unstretched, the writer's part read 3x too high).
 
-What this method changes: the three schedulers' steps alternate, so each step starts with another
-scheduler's data in the caches where a real engine would find its own last step's (a real engine core
-runs the forward pass, or waits on the workers, in between). All three pay that alike; the probes' own
-data is as cold as in an engine. Every recorded count is checked against vLLM's own, as in
-bench_host_probes.py, and the verdict follows its rule: MET when the whole interval is at or under
-the target.
+The figure is the extra CPU of `on` over `off` per timed step, with a 95% bootstrap interval over blocks
+of `--block` turns. `off2` against `off` is the A/A figure of the same steps: what the method gives with no
+probe (~0). Every recorded count is checked against vLLM's own, as in bench_host_probes.py, and the
+verdict follows its rule: MET when the whole interval is at or under the target.
+
+What the method changes: after another scheduler's turn, a step starts with that scheduler's data in the
+caches where an engine would find its own last step's (it runs the forward pass or waits on the workers
+in between); the untimed first step of each turn brings the scheduler's own data back. The off rounds
+here ran ~170 steps per CPU-s on a machine where bench_host_probes' off rounds ran ~215.
 """
 
 from __future__ import annotations
@@ -60,21 +69,31 @@ TARGET_PCT = 3.0
 MODES = ("on", "off", "off2")
 
 
-def plain_classes(probes: list) -> dict[type, type]:
-    """For each class the probes patched, a subclass holding vLLM's original methods (what the class
-    held before the first patch), so that an object switched to it runs none of the probes' code."""
-    originals: dict[type, dict[str, object]] = {}
-    for probe in probes:
-        for owner, attr, original in probe._patches:
-            originals.setdefault(owner, {}).setdefault(attr, original)
-    return {cls: type(f"Plain{cls.__name__}", (cls,), dict(methods)) for cls, methods in originals.items()}
+class Patches:
+    """The probes' patches, put on and taken off vLLM's classes between turns: `on` steps with them,
+    `off` and `off2` with vLLM's original methods, so none of the probes' code runs for those (not even
+    a disabled wrapper). All three schedulers are instances of the same classes: on CPython 3.11, objects
+    of different classes (say, subclasses holding the original methods) passing through the same vLLM
+    code make its specialised instructions miss in turn, which cost a scheduler ~1% per step here
+    whatever the probes did."""
 
+    def __init__(self, probes: list):
+        self.patched, self.original = [], []
+        seen = set()
+        for probe in probes:
+            for owner, attr, original in probe._patches:
+                if (owner, attr) in seen:  # patched twice: the first patch saw vLLM's own
+                    continue
+                seen.add((owner, attr))
+                self.patched.append((owner, attr, owner.__dict__[attr]))
+                self.original.append((owner, attr, original))
+        self.on = True
 
-def make_plain(d: DrivenScheduler, plain: dict[type, type]) -> None:
-    kvm = d.sched.kv_cache_manager
-    for obj in (d.sched, kvm, kvm.block_pool):
-        if type(obj) in plain:
-            obj.__class__ = plain[type(obj)]
+    def set(self, on: bool) -> None:
+        if on != self.on:
+            for owner, attr, value in self.patched if on else self.original:
+                setattr(owner, attr, value)
+            self.on = on
 
 
 class Feeder:
@@ -118,42 +137,48 @@ def thread_clock(thread: threading.Thread | None):
 def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tuple, order_seed: int) -> dict:
     """One workload on three fresh schedulers stepped in turn; per block of steps, ns of CPU per mode."""
     probes = install_probes(rec, names)
-    plain = plain_classes(probes)
+    patches = Patches(probes)
     feeders = {}
     for mode in MODES:
-        d = DrivenScheduler(model, cfg)
-        if mode != "on":
-            make_plain(d, plain)
-        feeders[mode] = Feeder(d, prompts, args.concurrency, args.max_tokens)
+        patches.set(mode == "on")
+        feeders[mode] = Feeder(DrivenScheduler(model, cfg), prompts, args.concurrency, args.max_tokens)
     writer = thread_clock(getattr(rec, "_thread", None))
     rng = random.Random(order_seed)
     blocks: list[dict[str, int]] = []
-    cur = dict.fromkeys(MODES, 0)
+    cur = dict.fromkeys((*MODES, "writer"), 0)  # ns of CPU; "writer": the recorder's part of "on"
     gc.collect()
     w0 = writer()
-    n = 0
+    n = timed = 0  # turns, and steps timed (per scheduler)
     clock = time.thread_time_ns
     while any(f.d.has_work() for f in feeders.values()):
         order = list(MODES)
         rng.shuffle(order)
-        for mode in order:
+        for mode in order:  # a turn each: --run steps in a row, the first --warm of them not timed
             f = feeders[mode]
-            if f.d.has_work():
+            patches.set(mode == "on")  # the next step re-specialises what this changed: --warm
+            for j in range(args.run):
+                if not f.d.has_work():
+                    break
+                if j < args.warm:
+                    f.step()
+                    continue
                 t0 = clock()
                 f.step()
                 cur[mode] += clock() - t0
+                timed += mode == "on"
         n += 1
         if n % args.block == 0:
             w1 = writer()
-            cur["on"] += w1 - w0
+            cur["writer"] += w1 - w0
             w0 = w1
             blocks.append(cur)
-            cur = dict.fromkeys(MODES, 0)
+            cur = dict.fromkeys((*MODES, "writer"), 0)
+    patches.set(True)  # as install_probes left them, for uninstall_probes
     t0 = clock()
     rec.flush()  # the writer's work for this round's rows, charged to it
-    cur["on"] += clock() - t0 + writer() - w0
+    cur["writer"] += clock() - t0 + writer() - w0
     if blocks:  # the tail (fewer than --block steps) and the flush go with the last block
-        for mode in MODES:
+        for mode in cur:
             blocks[-1][mode] += cur[mode]
     uninstall_probes(probes)
     steps = {m: f.steps for m, f in feeders.items()}
@@ -161,7 +186,12 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
         raise SystemExit(f"the schedulers took different numbers of steps ({steps}): the workload is not "
                          "deterministic, so steps cannot be compared")
     on = feeders["on"]
-    return {"blocks": blocks, "steps": on.steps, "scheduled": on.scheduled, "preemptions": on.preemptions,
+    # The writer's work is for the rows of all of `on`'s steps; only `timed` of them are timed: charge
+    # it that share.
+    for b in blocks:
+        b["writer"] = round(b["writer"] * timed / on.steps)
+        b["on"] += b["writer"]
+    return {"blocks": blocks, "timed": timed, "steps": on.steps, "scheduled": on.scheduled, "preemptions": on.preemptions,
             "lookups": on.lookups}
 
 
@@ -182,7 +212,11 @@ def ratio_interval(blocks: list[dict[str, int]], a: str, b: str, draws: int = 40
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12, help="measured rounds (after a warm-up round)")
-    ap.add_argument("--block", type=int, default=10, help="steps per block (the bootstrap's unit)")
+    ap.add_argument("--run", type=int, default=2, help="steps a scheduler takes in a row (a turn)")
+    ap.add_argument("--warm", type=int, default=1,
+                    help="steps at the start of each turn that are not timed (they find the caches holding "
+                         "the other schedulers' data, where an engine finds its own last step's)")
+    ap.add_argument("--block", type=int, default=10, help="turns per block (the bootstrap's unit)")
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--prefix-tokens", type=int, default=512, help="shared prefix per family (tokens)")
@@ -193,11 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flush-interval", type=float, default=0.5, help="the recorder's writer flushes this often (s)")
     args = ap.parse_args(argv)
 
+    from kvtrace import recorder
     from kvtrace.ingest.shards import stored_rows
     from kvtrace.model import ensure_tiny_model
+    from kvtrace.probes import columns
     from kvtrace.probes.columns import NATIVE_MISSING, native
     from kvtrace.recorder import Recorder
 
+    # The schedulers share the wall clock: in a second, `on` steps for a third of it. The probes' and the
+    # recorder's wall-clock intervals (the logs' hand-overs, the writer's flushes, proc.json's refresh)
+    # are stretched as much, so that they come as often per step of `on` as in an engine.
+    stretch = len(MODES)
+    columns.FLUSH_NS = int(columns.FLUSH_NS * stretch)
+    recorder.PROC_REFRESH_S *= stretch
     names = tuple(n for n in args.probes.split(",") if n)
     model = str(ensure_tiny_model())
     cfg = DrivenConfig(num_blocks=args.num_blocks, max_num_seqs=args.concurrency, max_num_batched_tokens=2048)
@@ -207,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
           f"probes {','.join(names) or '(none)'}; hot path {'native' if native() else 'python: ' + NATIVE_MISSING}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     tmp = tempfile.TemporaryDirectory(prefix="kvtrace-bench-steps-")
-    rec = Recorder(Path(tmp.name) / "session", "engine", {"flush_interval_s": args.flush_interval})
+    rec = Recorder(Path(tmp.name) / "session", "engine", {"flush_interval_s": args.flush_interval * stretch})
     blocks: list[dict[str, int]] = []
-    steps = 0  # measured steps per scheduler, all rounds
+    steps = 0  # timed steps per scheduler, all rounds
     expected = dict.fromkeys(("steps", "scheduled", "preemptions", "lookups"), 0)
     for r in range(args.rounds + 1):
         res = run_round(args, model, cfg, prompts, rec, names, order_seed=r)
@@ -219,10 +261,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  warm-up round: {res['steps']} steps", flush=True)
             continue
         blocks.extend(res["blocks"])
-        steps += res["steps"]
-        tot = {m: sum(b[m] for b in res["blocks"]) / 1e9 for m in MODES}
+        steps += res["timed"]
+        tot = {m: sum(b[m] for b in res["blocks"]) / 1e9 for m in (*MODES, "writer")}
         print(f"  round {r:2d}: {res['steps']} steps; CPU s: on {tot['on']:.3f}, off {tot['off']:.3f}, off2 "
-              f"{tot['off2']:.3f} ({tot['on'] / tot['off'] * 100 - 100:+.1f}%; A/A "
+              f"{tot['off2']:.3f}; writer {tot['writer'] * 1e3:.1f} ms ({tot['on'] / tot['off'] * 100 - 100:+.1f}%; A/A "
               f"{tot['off2'] / tot['off'] * 100 - 100:+.1f}%)", flush=True)
     rec.close()
     stored = stored_rows(rec.dir)
@@ -244,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     est, lo, hi = ratio_interval(blocks, "on", "off")
     aa, aa_lo, aa_hi = ratio_interval(blocks, "off2", "off")
     off_s = sum(b["off"] for b in blocks) / 1e9
-    print(f"\n| scheduler | CPU s ({args.rounds} rounds, {steps} steps) | steps per CPU-s | over off [95% interval] |")
+    print(f"\n| scheduler | CPU s ({args.rounds} rounds, {steps} steps timed) | steps per CPU-s | over off [95% interval] |")
     print("|---|---|---|---|")
     figures = {"on": (est, lo, hi), "off2": (aa, aa_lo, aa_hi)}
     for mode in MODES:
@@ -253,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         over = "-" if e is None else f"{e:+.2f}% [{a:+.2f}, {b:+.2f}]"
         print(f"| {mode} | {s:.2f} | {steps / s:.1f} | {over} |")
     print(f"\nCPU overhead of the probes per step: {est:+.2f}%, 95% interval {lo:+.2f}% to {hi:+.2f}% "
-          f"({len(blocks)} blocks of {args.block} steps; off {off_s:.1f} CPU-s in all)")
+          f"({len(blocks)} blocks of {args.block} turns of {args.run} steps, {args.warm} of each turn not timed; off {off_s:.1f} CPU-s in all)")
     print(f"A/A, off2 against off on the same steps: {aa:+.2f}%, 95% interval {aa_lo:+.2f}% to {aa_hi:+.2f}%")
     exact = drops == 0 and all(g == w for _, g, w in checks)
     verdict = "MET" if exact and hi <= TARGET_PCT else "MISSED" if not exact or lo > TARGET_PCT else "NOT RESOLVED"
