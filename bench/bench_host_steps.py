@@ -36,8 +36,7 @@ verdict follows its rule: MET when the whole interval is at or under the target.
 
 What the method changes: after another scheduler's turn, a step starts with that scheduler's data in the
 caches where an engine would find its own last step's (it runs the forward pass or waits on the workers
-in between); the untimed first step of each turn brings the scheduler's own data back. The off rounds
-here ran ~170 steps per CPU-s on a machine where bench_host_probes' off rounds ran ~215.
+in between); the untimed first step of each turn brings the scheduler's own data back.
 """
 
 from __future__ import annotations
