@@ -227,18 +227,26 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from kvtrace import recorder
-    from kvtrace.ingest.shards import stored_rows
-    from kvtrace.model import ensure_tiny_model
     from kvtrace.probes import columns
-    from kvtrace.probes.columns import NATIVE_MISSING, native
-    from kvtrace.recorder import Recorder
 
     # The schedulers share the wall clock: in a second, `on` steps for a third of it. The probes' and the
     # recorder's wall-clock intervals (the logs' hand-overs, the writer's flushes, proc.json's refresh)
     # are stretched as much, so that they come as often per step of `on` as in an engine.
     stretch = len(MODES)
-    columns.FLUSH_NS = int(columns.FLUSH_NS * stretch)
-    recorder.PROC_REFRESH_S *= stretch
+    intervals = columns.FLUSH_NS, recorder.PROC_REFRESH_S
+    columns.FLUSH_NS, recorder.PROC_REFRESH_S = int(intervals[0] * stretch), intervals[1] * stretch
+    try:
+        return measure(args, stretch)
+    finally:  # as they were (a test calls main() in a process that goes on)
+        columns.FLUSH_NS, recorder.PROC_REFRESH_S = intervals
+
+
+def measure(args: argparse.Namespace, stretch: int) -> int:
+    from kvtrace.ingest.shards import stored_rows
+    from kvtrace.model import ensure_tiny_model
+    from kvtrace.probes.columns import NATIVE_MISSING, native
+    from kvtrace.recorder import Recorder
+
     names = tuple(n for n in args.probes.split(",") if n)
     model = str(ensure_tiny_model())
     cfg = DrivenConfig(num_blocks=args.num_blocks, max_num_seqs=args.concurrency, max_num_batched_tokens=2048)
