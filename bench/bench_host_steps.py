@@ -104,10 +104,15 @@ class Feeder:
             d.add(f"r{i}", prompts[i], max_tokens)
         self.next = concurrency
         self.steps = self.scheduled = self.preemptions = self.lookups = 0
+        self.spin_ns = 0  # --calibrate: CPU burnt in each step, a cost of known size
 
     def step(self) -> None:
         d = self.d
         out = d.step()
+        if self.spin_ns:
+            until = time.thread_time_ns() + self.spin_ns
+            while time.thread_time_ns() < until:
+                pass
         for eco in d.outputs.values():
             for o in eco.outputs:
                 if o.finish_reason is not None and self.next < len(self.prompts):
@@ -141,6 +146,7 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
     for mode in MODES:
         patches.set(mode == "on")
         feeders[mode] = Feeder(DrivenScheduler(model, cfg), prompts, args.concurrency, args.max_tokens)
+    feeders["on"].spin_ns = int(args.calibrate * 1000)
     writer = thread_clock(getattr(rec, "_thread", None))
     rng = random.Random(order_seed)
     blocks: list[dict[str, int]] = []
@@ -224,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=900, help="KV pool (blocks of 32 tokens)")
     ap.add_argument("--probes", default=",".join(HOST_PROBES), help="which host probes `on` installs")
     ap.add_argument("--flush-interval", type=float, default=0.5, help="the recorder's writer flushes this often (s)")
+    ap.add_argument("--calibrate", type=float, default=0.0, metavar="US",
+                    help="also burn US microseconds of CPU in each of `on`'s steps: a cost of known size, to check "
+                         "that the method reads it (with --probes '' it is all there is)")
     args = ap.parse_args(argv)
 
     from kvtrace import recorder
@@ -304,6 +313,10 @@ def measure(args: argparse.Namespace, stretch: int) -> int:
     print(f"\nCPU overhead of the probes per step: {est:+.2f}%, 95% interval {lo:+.2f}% to {hi:+.2f}% "
           f"({len(blocks)} blocks of {args.block} turns of {args.run} steps, {args.warm} of each turn not timed; off {off_s:.1f} CPU-s in all)")
     print(f"A/A, off2 against off on the same steps: {aa:+.2f}%, 95% interval {aa_lo:+.2f}% to {aa_hi:+.2f}%")
+    if args.calibrate:
+        expected_pct = args.calibrate * 1e3 * steps / (off_s * 1e9) * 100
+        print(f"calibration: `on` burnt {args.calibrate:g} us of CPU a step, {expected_pct:+.2f}% of `off`'s CPU: "
+              f"the figure above should read that much more than without it")
     exact = drops == 0 and all(g == w for _, g, w in checks)
     verdict = "MET" if exact and hi <= TARGET_PCT else "MISSED" if not exact or lo > TARGET_PCT else "NOT RESOLVED"
     print(f"\ntarget <= {TARGET_PCT}% (the 95% interval above), 0 drops, every event recorded: {verdict}"
