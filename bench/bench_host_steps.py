@@ -143,12 +143,14 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
     probes = install_probes(rec, names)
     patches = Patches(probes)
     feeders = {}
-    for mode in MODES:
+    rng = random.Random(order_seed)
+    # Built in a shuffled order too: the first one built gets the process's memory first, which could
+    # favour it from round to round.
+    for mode in rng.sample(MODES, len(MODES)):
         patches.set(mode == "on")
         feeders[mode] = Feeder(DrivenScheduler(model, cfg), prompts, args.concurrency, args.max_tokens)
     feeders["on"].spin_ns = int(args.calibrate * 1000)
     writer = thread_clock(getattr(rec, "_thread", None))
-    rng = random.Random(order_seed)
     blocks: list[dict[str, int]] = []
     cur = dict.fromkeys((*MODES, "writer"), 0)  # ns of CPU; "writer": the recorder's part of "on"
     gc.collect()
