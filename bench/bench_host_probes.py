@@ -216,17 +216,22 @@ def overhead_pct(r: dict, clock: str) -> float:
     return (r[f"{clock}_off"] / r[f"{clock}_on"] - 1) * 100
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--processes", type=int, default=5,
-                    help="processes, one after the other, each with its own interleaved rounds (1: this one)")
-    ap.add_argument("--rounds", type=int, default=6, help="measured rounds per mode and process (after a warm-up)")
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's options (also bench_host_steps.py's): its defaults are the workload both measure."""
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--prefix-tokens", type=int, default=512, help="shared prefix per family (tokens)")
     ap.add_argument("--suffix-tokens", type=int, default=64, help="own prompt tail per request (tokens)")
     ap.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
     ap.add_argument("--num-blocks", type=int, default=900, help="KV pool (blocks of 32 tokens)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--processes", type=int, default=5,
+                    help="processes, one after the other, each with its own interleaved rounds (1: this one)")
+    ap.add_argument("--rounds", type=int, default=6, help="measured rounds per mode and process (after a warm-up)")
+    add_workload_args(ap)
     ap.add_argument("--profile", choices=("on", "off"), help="cProfile one round in this mode, then stop")
     ap.add_argument("--profile-dump", help="with --profile: also write the pstats file here")
     ap.add_argument("--profile-only", default="",

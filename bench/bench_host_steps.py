@@ -51,20 +51,20 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tests.driven_scheduler import (  # noqa: E402
+# bench_host_probes, beside this file: the same workload (it puts the repository on the path, and its
+# names from tests/driven_scheduler.py are the ones used here).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_host_probes import (  # noqa: E402
     HOST_PROBES,
+    TARGET_PCT,
     DrivenConfig,
     DrivenScheduler,
+    add_workload_args,
     install_probes,
     shared_prefix_prompts,
     uninstall_probes,
 )
 
-TARGET_PCT = 3.0
 MODES = ("on", "off", "off2")
 
 
@@ -224,12 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps at the start of each turn that are not timed (they find the caches holding "
                          "the other schedulers' data, where an engine finds its own last step's)")
     ap.add_argument("--block", type=int, default=10, help="turns per block (the bootstrap's unit)")
-    ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--prefix-tokens", type=int, default=512, help="shared prefix per family (tokens)")
-    ap.add_argument("--suffix-tokens", type=int, default=64, help="own prompt tail per request (tokens)")
-    ap.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
-    ap.add_argument("--num-blocks", type=int, default=900, help="KV pool (blocks of 32 tokens)")
+    add_workload_args(ap)  # bench_host_probes' workload
     ap.add_argument("--probes", default=",".join(HOST_PROBES), help="which host probes `on` installs")
     ap.add_argument("--flush-interval", type=float, default=0.5, help="the recorder's writer flushes this often (s)")
     ap.add_argument("--calibrate", type=float, default=0.0, metavar="US",
