@@ -77,6 +77,38 @@ class Counters:
         self.wall = self.cpu = self.main_cpu = self.finish_cpu = 0.0
 
 
+class Workload:
+    """One scheduler's run of the workload (also bench_host_steps.py's): the first `concurrency`
+    requests, then the next one each time one finishes; `step()` runs one engine step and adds what
+    vLLM reports to `counters`."""
+
+    def __init__(self, d: DrivenScheduler, prompts: list[list[int]], concurrency: int, max_tokens: int):
+        self.d, self.prompts, self.max_tokens = d, prompts, max_tokens
+        self.counters = Counters()
+        for i in range(concurrency):
+            d.add(f"r{i}", prompts[i], max_tokens)
+        self.next = concurrency
+
+    def step(self) -> None:
+        d, c = self.d, self.counters
+        out = d.step()
+        c.steps += 1
+        c.scheduled += len(out.num_scheduled_tokens)
+        c.preemptions += len(out.preempted_req_ids)
+        for eco in d.outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    c.finished += 1
+                    if self.next < len(self.prompts):
+                        d.add(f"r{self.next}", self.prompts[self.next], self.max_tokens)
+                        self.next += 1
+            if eco.scheduler_stats is not None:
+                p = eco.scheduler_stats.prefix_cache_stats
+                c.lookups += p.requests + p.preempted_requests
+                c.queries += p.queries + p.preempted_queries
+                c.hits += p.hits + p.preempted_hits
+
+
 def run_round(model: str, cfg: DrivenConfig, prompts: list[list[int]], concurrency: int,
               max_tokens: int, finish: Callable[[], None] | None = None,
               before: Callable[[], None] | None = gc.collect) -> tuple[float, Counters]:
@@ -86,31 +118,13 @@ def run_round(model: str, cfg: DrivenConfig, prompts: list[list[int]], concurren
     another's garbage). `finish` runs at the end, inside the timed window: the on-rounds flush the
     recorder there, so the writer's work for a round's rows is charged to that round, not left to the
     next (an off-round)."""
-    d = DrivenScheduler(model, cfg)
-    c = Counters()
-    for i in range(concurrency):
-        d.add(f"r{i}", prompts[i], max_tokens)
-    nxt = concurrency
+    w = Workload(DrivenScheduler(model, cfg), prompts, concurrency, max_tokens)
+    c = w.counters
     if before is not None:
         before()
     t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
-    while d.has_work():
-        out = d.step()
-        c.steps += 1
-        c.scheduled += len(out.num_scheduled_tokens)
-        c.preemptions += len(out.preempted_req_ids)
-        for eco in d.outputs.values():
-            for o in eco.outputs:
-                if o.finish_reason is not None:
-                    c.finished += 1
-                    if nxt < len(prompts):
-                        d.add(f"r{nxt}", prompts[nxt], max_tokens)
-                        nxt += 1
-            if eco.scheduler_stats is not None:
-                p = eco.scheduler_stats.prefix_cache_stats
-                c.lookups += p.requests + p.preempted_requests
-                c.queries += p.queries + p.preempted_queries
-                c.hits += p.hits + p.preempted_hits
+    while w.d.has_work():
+        w.step()
     if finish is not None:
         f0 = time.thread_time()
         finish()

@@ -59,6 +59,7 @@ from bench_host_probes import (  # noqa: E402
     TARGET_PCT,
     DrivenConfig,
     DrivenScheduler,
+    Workload,
     add_workload_args,
     install_probes,
     shared_prefix_prompts,
@@ -95,41 +96,6 @@ class Patches:
             self.on = on
 
 
-class Feeder:
-    """One scheduler's workload: the first `concurrency` requests, then one more per finished one."""
-
-    def __init__(self, d: DrivenScheduler, prompts: list, concurrency: int, max_tokens: int):
-        self.d, self.prompts, self.max_tokens = d, prompts, max_tokens
-        for i in range(concurrency):
-            d.add(f"r{i}", prompts[i], max_tokens)
-        self.next = concurrency
-        self.steps = self.scheduled = self.preemptions = self.lookups = 0
-        self.spin_ns = 0  # --calibrate: CPU burnt in each step, a cost of known size
-
-    def step(self) -> None:
-        d = self.d
-        out = d.step()
-        if self.spin_ns:
-            until = time.thread_time_ns() + self.spin_ns
-            while time.thread_time_ns() < until:
-                pass
-        for eco in d.outputs.values():
-            for o in eco.outputs:
-                if o.finish_reason is not None and self.next < len(self.prompts):
-                    d.add(f"r{self.next}", self.prompts[self.next], self.max_tokens)
-                    self.next += 1
-        self.steps += 1
-        self.scheduled += len(out.num_scheduled_tokens)
-        self.preemptions += len(out.preempted_req_ids)
-        self._count(d)
-
-    def _count(self, d: DrivenScheduler) -> None:
-        for eco in d.outputs.values():
-            if eco.scheduler_stats is not None:
-                p = eco.scheduler_stats.prefix_cache_stats
-                self.lookups += p.requests + p.preempted_requests
-
-
 def thread_clock(thread: threading.Thread | None):
     """A function reading `thread`'s CPU time (ns); 0 when there is none."""
     if thread is None or thread.ident is None:
@@ -148,8 +114,8 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
     # favour it from round to round.
     for mode in rng.sample(MODES, len(MODES)):
         patches.set(mode == "on")
-        feeders[mode] = Feeder(DrivenScheduler(model, cfg), prompts, args.concurrency, args.max_tokens)
-    feeders["on"].spin_ns = int(args.calibrate * 1000)
+        feeders[mode] = Workload(DrivenScheduler(model, cfg), prompts, args.concurrency, args.max_tokens)
+    spin_ns = int(args.calibrate * 1000)  # --calibrate: CPU burnt in each of `on`'s timed steps
     writer = thread_clock(getattr(rec, "_thread", None))
     blocks: list[dict[str, int]] = []
     cur = dict.fromkeys((*MODES, "writer"), 0)  # ns of CPU; "writer": the recorder's part of "on"
@@ -171,6 +137,10 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
                     continue
                 t0 = clock()
                 f.step()
+                if spin_ns and mode == "on":  # a cost of known size, on top of the step's
+                    until = clock() + spin_ns
+                    while clock() < until:
+                        pass
                 cur[mode] += clock() - t0
                 timed += mode == "on"
         n += 1
@@ -184,15 +154,17 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
     t0 = clock()
     rec.flush()  # the writer's work for this round's rows, charged to it
     cur["writer"] += clock() - t0 + writer() - w0
-    if blocks:  # the tail (fewer than --block steps) and the flush go with the last block
+    if blocks:  # the tail (fewer than --block turns) and the flush go with the last block
         for mode in cur:
             blocks[-1][mode] += cur[mode]
+    else:  # a round of fewer turns than a block: one block
+        blocks.append(cur)
     uninstall_probes(probes)
-    steps = {m: f.steps for m, f in feeders.items()}
+    steps = {m: f.counters.steps for m, f in feeders.items()}
     if len(set(steps.values())) != 1:
         raise SystemExit(f"the schedulers took different numbers of steps ({steps}): the workload is not "
                          "deterministic, so steps cannot be compared")
-    on = feeders["on"]
+    on = feeders["on"].counters
     # The writer's work is for the rows of all of `on`'s steps; only `timed` of them are timed: charge
     # it that share.
     for b in blocks:
