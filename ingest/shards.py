@@ -160,7 +160,7 @@ def loads_into(table: str) -> str:
 
 
 # A run longer than this is not something kvtrace wrote (a DecodeLog hands its runs over at least every
-# 250 ms), and expanding it would take that many rows' memory: refused as a damaged shard.
+# second, probes/columns.py FLUSH_NS), and expanding it would take that many rows' memory: refused as a damaged shard.
 MAX_RUN_STEPS = 1 << 24
 
 

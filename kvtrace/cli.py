@@ -65,7 +65,8 @@ def cli(debug: bool) -> None:
               help=r"Regex with named groups job and turn parsed from request ids, e.g. '(?P<job>\w+)-t(?P<turn>\d+)'.")
 @click.option("--nvtx/--no-nvtx", default=True, show_default=True, help="Emit NVTX ranges and marks.")
 @click.option("--nvtx-layers", is_flag=True, help="Also emit an NVTX range per attention layer.")
-@click.option("--flush-interval", default=0.5, show_default=True, help="Seconds between shard flushes.")
+@click.option("--flush-interval", default=2.0, show_default=True,
+              help="Seconds between shard flushes (a process killed outright loses at most this much).")
 @click.option("--probes", default=None, help="Comma-separated probes to enable (default: all).")
 @click.option("--record-tokens", is_flag=True, help="Also record token ids (off by default: traces carry no prompt data).")
 @click.option("--options-json", default=None, hidden=True,

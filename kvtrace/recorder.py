@@ -5,7 +5,7 @@ single `append(tuple)` on a buffer a probe holds a reference to: no lock, no I/O
 native `RowLog` (probes/columns.py) that stores the row's values in typed columns at once, so no tuple
 outlives its append (nothing for the garbage collector to walk, nothing to convert later); where the
 native module is not built it is a list of the tuples. A daemon thread wakes every `flush_interval_s`
-(default 0.5 s), takes the rows appended so far as Arrow RecordBatches and appends them to the
+(default 2 s, `FLUSH_INTERVAL_S`), takes the rows appended so far as Arrow RecordBatches and appends them to the
 process's shard files (Arrow IPC streams, one file per table, rotated by size and age). A stream stays readable up to its
 last complete batch if the process is killed, because every batch goes out in one `write()`.
 
@@ -46,6 +46,15 @@ KEEP_TABLES = ("drops", "clock_anchors")
 # second (bench_host_probes: ~0.25% of a scheduling step). The shards never wait for it: proc.json's
 # counts may lag them by this much, never lead them.
 PROC_REFRESH_S = 2.0
+
+# How often the writer wakes and writes (s). A flush costs mostly per table and per column, not per row
+# (each column of each table taken into Arrow, each batch serialised and written: ~0.5 ms a table on a
+# slow 2-CPU machine), so the writer's CPU follows the number of flushes: at 0.5 s it took ~1.2% of a
+# scheduling step (bench_host_steps, docs/performance.md "Eighteenth session"), at 2 s about a quarter
+# of that. A process killed outright (SIGKILL) loses at most this much of its rows, plus the last
+# hand-over of the block and decode logs (probes/columns.py FLUSH_NS); `kvtrace record` asks every
+# process to flush (SIGUSR2) before it passes a stop signal on. Perfetto writes its file every 5 s.
+FLUSH_INTERVAL_S = 2.0
 
 
 class ShardWriter:
@@ -145,7 +154,7 @@ class ShardWriter:
 
 # Arrow's memory for the rows the recorder converts and the IPC bytes it writes: the C library's
 # malloc, not Arrow's default pool (mimalloc). mimalloc hands a flush's buffers (~1 MB of
-# step_requests every 0.5 s) back to the OS and takes fresh pages at the next, which the kernel must
+# step_requests every 0.5 s, as it flushed then) back to the OS and takes fresh pages at the next, which the kernel must
 # zero, often as 2 MB huge pages (and compact memory for them first): perf measured ~0.8% of a
 # scheduling step in that, and up to 30 ms of system time a round (bench_host_probes, 2026-11-24,
 # docs/performance.md). malloc keeps and reuses them.
@@ -167,7 +176,7 @@ class Recorder:
         self.role = role
         self.pid = os.getpid()
         self.rank = int(options.get("rank", 0))
-        self.flush_interval_s = float(options.get("flush_interval_s", 0.5))
+        self.flush_interval_s = float(options.get("flush_interval_s", FLUSH_INTERVAL_S))
         self.rotate_bytes = int(options.get("rotate_bytes", 64 << 20))
         self.rotate_s = float(options.get("rotate_s", 300.0))
         self.max_pending_rows = int(options.get("max_pending_rows", 5_000_000))
@@ -295,7 +304,9 @@ class Recorder:
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def add_clock_anchor(self, device_ns: int | None = None, source: str = "host") -> None:
-        self.buffers["clock_anchors"].append((time.monotonic_ns(), time.time_ns(), device_ns, source))
+        # Into the table's RowLog where there is one: a list's tuples go through pa.array at the flush,
+        # whose first call imports pandas (~0.4 s of CPU on the writer thread, under the GIL at times).
+        self.buffer("clock_anchors").append((time.monotonic_ns(), time.time_ns(), device_ns, source))
 
     def count_drop(self, table: str, n: int, cause: str) -> None:
         if n <= 0:
@@ -504,7 +515,10 @@ def _row_count(rows: list) -> int:
 
 
 def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordBatch]:
-    """Row tuples and whole batches (from append_columns) as RecordBatches of at most `max_rows`, in order."""
+    """Row tuples and whole batches (from append_columns) as RecordBatches of at most `max_rows`, in order.
+    Consecutive batches that fit in `max_rows` together are joined into one: the logs hand a table's rows
+    over several times between two flushes, and each batch written costs an IPC message (its metadata
+    per column) and a write() of its own."""
     out: list[pa.RecordBatch] = []
     run: list[tuple] = []
     for row in rows:
@@ -520,6 +534,25 @@ def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordB
                 run = []
     if run:
         out.append(rows_to_batch(table, run))
+    return _joined(out, max_rows) if len(out) > 1 else out
+
+
+def _joined(batches: list[pa.RecordBatch], max_rows: int) -> list[pa.RecordBatch]:
+    """`batches` with each run of consecutive ones of at most `max_rows` rows in all made one batch."""
+    out: list[pa.RecordBatch] = []
+    group: list[pa.RecordBatch] = []
+    rows = 0
+    for batch in (*batches, None):
+        if batch is None or (group and rows + batch.num_rows > max_rows):
+            if len(group) == 1:
+                out.append(group[0])
+            elif group:  # one copy of the rows, into memory from WRITE_POOL
+                table = pa.Table.from_batches(group).combine_chunks(memory_pool=WRITE_POOL)
+                out.extend(table.to_batches())
+            group, rows = [], 0
+        if batch is not None:
+            group.append(batch)
+            rows += batch.num_rows
     return out
 
 

@@ -39,7 +39,11 @@ from kvtrace.probes.context import ctx
 
 _now = time.monotonic_ns
 _frame = sys._getframe
-FLUSH_NS = 250_000_000  # hand the rows to the recorder at least this often (monotonic ns)
+# Hand the rows to the recorder at least this often (monotonic ns): half the writer's flush interval
+# (kvtrace/recorder.py FLUSH_INTERVAL_S), so a row is on disk within ~1.5 flush intervals. Each hand-over
+# costs the engine's thread a take (Arrow columns from the log's buffers, ~0.2 ms on a slow machine),
+# and each batch handed over one more piece for the writer to join.
+FLUSH_NS = 1_000_000_000
 BLOCK_FLUSH_ROWS = 8192
 DECODE_FLUSH_ROWS = 16384
 

@@ -810,3 +810,38 @@ def test_proc_json_is_rewritten_when_more_than_its_counts_changed(tmp_path, monk
     monkeypatch.setattr(recorder_module, "PROC_REFRESH_S", 3600.0)
     rec.close()  # closing always writes it
     assert written("steps") == 4 and json.loads(proc.read_text())["status"] == "complete"
+
+
+def test_recorder_writes_a_flushs_hand_overs_as_one_batch(tmp_path):
+    """The logs hand a table's rows over several times between two flushes: the flush writes them as one
+    IPC batch (one message and one write() instead of one per hand-over), rows in their order, and never
+    more than the recorder's batch size in one batch."""
+    import numpy as np
+    import pyarrow.ipc as ipc
+
+    from kvtrace import recorder as recorder_mod
+    from kvtrace.recorder import Recorder
+
+    def runs(first_step: int, n: int) -> dict:
+        return {"step": np.arange(first_step, first_step + n, dtype=np.int64), "steps": np.ones(n, np.int32),
+                "request_id": pa.array([f"r{first_step + i}" for i in range(n)]),
+                "tokens": np.ones(n, np.int32), "computed_before": np.zeros(n, np.int32),
+                "new_blocks": np.zeros(n, np.int32)}
+
+    rec = Recorder(tmp_path, "engine", {"flush_interval_s": 3600})
+    try:
+        for first in (0, 10, 30):
+            rec.append_columns("decode_runs", runs(first, 10 if first < 30 else 5))
+        rec.flush()
+    finally:
+        rec.close()
+    (shard,) = sorted(rec.dir.glob("decode_runs.*.arrows"))
+    batches = list(ipc.open_stream(pa.OSFile(str(shard))))
+    assert [b.num_rows for b in batches] == [25]
+    assert batches[0].column("step").to_pylist() == [*range(0, 20), *range(30, 35)]
+
+    # Batches are joined only while they fit the batch size; a bigger one is cut, order kept.
+    parts = [pa.RecordBatch.from_pydict({"x": list(range(a, b))}) for a, b in ((0, 3), (3, 5), (5, 9), (9, 10))]
+    joined = recorder_mod._joined(parts, max_rows=5)
+    assert [b.num_rows for b in joined] == [5, 5]
+    assert [v for b in joined for v in b.column("x").to_pylist()] == list(range(10))
