@@ -56,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from kvtrace.recorder import FLUSH_INTERVAL_S  # noqa: E402
 from tests.driven_scheduler import (  # noqa: E402
     HOST_PROBES,
     DrivenConfig,
@@ -252,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --profile: list only functions whose file or name contains this (e.g. kvtrace)")
     ap.add_argument("--probes", default=",".join(HOST_PROBES),
                     help="which host probes the on-rounds install (comma-separated; to attribute the cost)")
-    ap.add_argument("--flush-interval", type=float, default=0.5,
-                    help="the recorder's writer flushes this often (s); a value longer than a round leaves all "
+    ap.add_argument("--flush-interval", type=float, default=FLUSH_INTERVAL_S,
+                    help="the recorder's writer flushes this often (s; the recorder's default); a value longer than a round leaves all "
                          "the writing to the round's final flush (to see what the writer thread costs the rest)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one process's rounds, as JSON
     args = ap.parse_args(argv)

@@ -55,6 +55,7 @@ from pathlib import Path
 # names from tests/driven_scheduler.py are the ones used here).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_host_probes import (  # noqa: E402
+    FLUSH_INTERVAL_S,
     HOST_PROBES,
     TARGET_PCT,
     DrivenConfig,
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=10, help="turns per block (the bootstrap's unit)")
     add_workload_args(ap)  # bench_host_probes' workload
     ap.add_argument("--probes", default=",".join(HOST_PROBES), help="which host probes `on` installs")
-    ap.add_argument("--flush-interval", type=float, default=0.5, help="the recorder's writer flushes this often (s)")
+    ap.add_argument("--flush-interval", type=float, default=FLUSH_INTERVAL_S,
+                    help="the recorder's writer flushes this often (s; the recorder's default)")
     ap.add_argument("--calibrate", type=float, default=0.0, metavar="US",
                     help="also burn US microseconds of CPU in each of `on`'s steps: a cost of known size, to check "
                          "that the method reads it (with --probes '' it is all there is)")

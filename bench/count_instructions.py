@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvtrace.model import ensure_tiny_model
     from kvtrace.probes import columns
-    from kvtrace.recorder import Recorder
+    from kvtrace.recorder import FLUSH_INTERVAL_S, Recorder
 
     columns.FLUSH_NS = int(columns.FLUSH_NS * args.slowdown)
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = host.DrivenConfig(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=2048)
     prompts = host.shared_prefix_prompts(512, 8, 512, 64)  # bench_host_probes' default workload
     with tempfile.TemporaryDirectory(prefix="kvtrace-count-") as tmp:
-        rec = Recorder(Path(tmp) / "session", "engine", {"flush_interval_s": 0.5 * args.slowdown})
+        rec = Recorder(Path(tmp) / "session", "engine", {"flush_interval_s": FLUSH_INTERVAL_S * args.slowdown})
         for mode in args.modes.split(","):
             names = () if mode == "off" else host.HOST_PROBES if mode in ("all", "disabled") else (mode,)
             for counted in (False, True):
