@@ -292,10 +292,14 @@ class Recorder:
                 out.append(r)
         return out
 
-    def append_columns(self, table: str, cols: dict[str, Any]) -> None:
-        """Append rows given as whole columns (NumPy arrays, one per schema column): the bulk path for
-        decoded device records, which would cost a Python tuple per row otherwise."""
+    def append_columns(self, table: str, cols: dict[str, Any] | pa.RecordBatch) -> None:
+        """Append rows given as whole columns (NumPy arrays, one per schema column, or a RecordBatch of
+        the table's schema): the bulk path for the native logs' hand-overs and decoded device records,
+        which would cost a Python tuple per row otherwise."""
         sch = schema.arrow_schema(table)
+        if isinstance(cols, pa.RecordBatch) and cols.schema.equals(sch):  # a native log's take(): as it is
+            self.buffers[table].append(cols)
+            return
         # Arrow arrays (the native logs' columns) are taken as they are; from_arrays checks their types.
         batch = pa.RecordBatch.from_arrays([col if isinstance(col, pa.Array) else pa.array(col, type=t, memory_pool=WRITE_POOL)
                                             for col, t in zip(map(cols.__getitem__, sch.names), _types(table))],

@@ -241,6 +241,19 @@ def _len_of_field(self):  # the shape of vLLM's Request.num_tokens: `return len(
     return len(self.field)
 
 
+def _field_of_field(self):  # the shape of vLLM's BlockPool.get_num_free_blocks: `return self.<a>.<b>`
+    return self.a.b
+
+
+def returns_field_of_field(func: Any, first: str, second: str) -> bool:
+    """Whether `func(self)` does nothing but `return self.<first>.<second>`, as vLLM's
+    `BlockPool.get_num_free_blocks` (`free_block_queue.num_free_blocks`) does. The probes then read the
+    attributes (operator.attrgetter, in C) instead of making a Python call per step."""
+    code = getattr(func, "__code__", None)
+    return (code is not None and code.co_code == _field_of_field.__code__.co_code
+            and code.co_names == (first, second) and code.co_argcount == 1)
+
+
 def is_len_of(cls: Any, prop: str, field: str) -> bool:
     """Whether `cls.prop` is a property that returns `len(self.field)` and nothing else, as vLLM's
     `Request.num_tokens` (`_all_token_ids`) and `num_output_tokens` (`_output_token_ids`) are. The

@@ -357,23 +357,28 @@ def decode_runs(step: np.ndarray, rid: pa.Array, computed: np.ndarray, tokens: n
 
 
 # ---- the native twins ------------------------------------------------------------------------------
-def _buffer(data: bytes) -> pa.Buffer:
-    return pa.py_buffer(data)
+def _schema(table: str) -> pa.Schema:
+    from kvtrace import schema
+
+    return schema.arrow_schema(table)
 
 
-def _strings(n: int, parts: tuple) -> pa.Array:
+def _imported(rows: int, spec: list, sch: pa.Schema) -> pa.RecordBatch:
+    """A record batch of `sch` over the logs' column bytes (`spec`, see `_columns.arrow_batch`), imported
+    through Arrow's C data interface: one call where pa.Array.from_buffers per column cost ~6 us each
+    (steps has 22 columns; the writer and the hand-overs make hundreds of columns a second). Arrow's
+    cheap validation then checks the layout, as from_buffers did."""
+    capsule, address = _columns.arrow_batch(rows, spec)
+    batch = pa.RecordBatch._import_from_c(address, sch)
+    del capsule  # the structs: Arrow has moved what it needs out of them
+    batch.validate()
+    return batch
+
+
+def _string(parts: tuple) -> tuple:
+    """A native string column's (offsets, data, validity) as an arrow_batch spec."""
     offsets, data, valid = parts
-    return pa.Array.from_buffers(STRING, n, [_buffer(valid), _buffer(offsets), _buffer(data)])
-
-
-# Arrow types made once: each pa.int64() (or a field's `.type`) makes a new Python wrapper, ~3,000
-# instructions in pyarrow, and the hand-overs ask for hundreds a second.
-INT16, INT32, INT64, STRING = pa.int16(), pa.int32(), pa.int64(), pa.string()
-LIST_INT32, LIST_INT64 = pa.list_(INT32), pa.list_(INT64)
-
-
-def _fixed(type_: pa.DataType, data: bytes) -> pa.Array:
-    return pa.Array.from_buffers(type_, len(data) // type_.byte_width, [None, _buffer(data)])
+    return ("s", valid, offsets, data)
 
 
 try:
@@ -387,38 +392,32 @@ else:
     NATIVE_MISSING = ""
 
     class NativeBlockLog(_columns.BlockLog):
-        """`BlockLog` in C (`_columns.c`); `take()` makes the Arrow columns from its buffers."""
+        """`BlockLog` in C (`_columns.c`); `take()` makes a `block_events` RecordBatch from its buffers
+        (indexable by column name, as the Python twin's dict of columns is)."""
 
-        def take(self) -> dict | None:
+        def take(self) -> pa.RecordBatch | None:
             raw = self.take_raw()
             if raw is None:
                 return None
-            n = raw["rows"]
-            ids = _fixed(INT32, raw["ids"])
-            hashes = _fixed(INT64, raw["hashes"])
-            return {
-                "ts_ns": _fixed(INT64, raw["ts_ns"]), "step": _fixed(INT64, raw["step"]),
-                "event": _strings(n, raw["event"]),
-                "kv_group": _fixed(INT16, raw["kv_group"]),
-                "request_id": _strings(n, raw["request_id"]),
-                "block_ids": pa.Array.from_buffers(LIST_INT32, n, [None, _buffer(raw["ids_end"])], children=[ids]),
-                "block_hashes": pa.Array.from_buffers(LIST_INT64, n, [_buffer(raw["hashed"]), _buffer(raw["hashes_end"])],
-                                                      children=[hashes]),
-            }
+            return _imported(raw["rows"], [
+                ("f", 8, None, raw["ts_ns"]), ("f", 8, None, raw["step"]), _string(raw["event"]),
+                ("f", 2, None, raw["kv_group"]), _string(raw["request_id"]),
+                ("l", None, raw["ids_end"], 4, raw["ids"]), ("l", raw["hashed"], raw["hashes_end"], 8, raw["hashes"]),
+            ], _schema("block_events"))
 
     class NativeDecodeLog(_columns.DecodeLog):
         """`DecodeLog` in C (`_columns.c`): an open run per request as rows come; `take()` ends them
-        and makes the `decode_runs` Arrow columns from its buffers."""
+        and makes a `decode_runs` RecordBatch from its buffers."""
 
-        def take(self) -> dict | None:
+        def take(self) -> pa.RecordBatch | None:
             raw = self.take_raw()
             if raw is None:
                 return None
-            n = raw["runs"]
-            return {"step": _fixed(INT64, raw["step"]), "steps": _fixed(INT32, raw["steps"]),
-                    "request_id": _strings(n, raw["request_id"]), "tokens": _fixed(INT32, raw["tokens"]),
-                    "computed_before": _fixed(INT32, raw["computed_before"]),
-                    "new_blocks": _fixed(INT32, raw["new_blocks"])}
+            return _imported(raw["runs"], [
+                ("f", 8, None, raw["step"]), ("f", 4, None, raw["steps"]), _string(raw["request_id"]),
+                ("f", 4, None, raw["tokens"]), ("f", 4, None, raw["computed_before"]),
+                ("f", 4, None, raw["new_blocks"]),
+            ], _schema("decode_runs"))
 
 
 # ---- any table's rows, appended as tuples (the recorder's buffers) ----------------------------------
@@ -474,26 +473,21 @@ if _columns is not None:
             from kvtrace import schema
 
             self.schema = schema.arrow_schema(table)
-            # Each column's (type, its list items' type or None, whether it is a string), read from the
-            # schema once: a field's `.type` makes a new Python wrapper at every read.
-            self.layout = [(f.type, f.type.value_type if pa.types.is_list(f.type) else None,
-                            pa.types.is_string(f.type)) for f in self.schema]
+            # Each column's arrow_batch kind ("f" fixed width, "s" string, "l" list) and its (items')
+            # width in bytes, read from the schema once.
+            self.layout = [("s", 0) if pa.types.is_string(f.type)
+                           else ("l", f.type.value_type.byte_width) if pa.types.is_list(f.type)
+                           else ("f", f.type.byte_width) for f in self.schema]
 
         def take(self) -> tuple[pa.RecordBatch | None, int, int]:
             """(the rows as one batch or None, rows that did not fit, rows past max_rows)."""
             n, cols, bad, over = self.take_raw()
             if not n:
                 return None, bad, over
-            arrays = []
-            for (t, item_type, is_string), (valid, values, offsets, data) in zip(self.layout, cols):
-                if is_string:
-                    arrays.append(pa.Array.from_buffers(t, n, [_buffer(valid), _buffer(offsets), _buffer(data)]))
-                elif item_type is not None:
-                    items = _fixed(item_type, values)
-                    arrays.append(pa.Array.from_buffers(t, n, [_buffer(valid), _buffer(offsets)], children=[items]))
-                else:
-                    arrays.append(pa.Array.from_buffers(t, n, [_buffer(valid), _buffer(values)]))
-            return pa.RecordBatch.from_arrays(arrays, schema=self.schema), bad, over
+            spec = [("f", width, valid, values) if kind == "f" else ("s", valid, offsets, data) if kind == "s"
+                    else ("l", valid, offsets, width, values)
+                    for (kind, width), (valid, values, offsets, data) in zip(self.layout, cols)]
+            return _imported(n, spec, self.schema), bad, over
 
 
 def native() -> bool:

@@ -32,8 +32,9 @@ measured ~2% of a step). See bench/bench_host_probes.py.
 from __future__ import annotations
 
 import time
+from collections import deque
 from itertools import repeat
-from operator import attrgetter, is_not
+from operator import attrgetter, is_not, methodcaller
 from typing import Any
 
 from kvtrace.probes.base import (
@@ -43,6 +44,7 @@ from kvtrace.probes.base import (
     exact_wrapper,
     patch_exact,
     request_lengths_are_fields,
+    returns_field_of_field,
 )
 from kvtrace.probes.columns import decode_log, positions
 from kvtrace.probes.context import ctx
@@ -76,8 +78,14 @@ class SchedulerProbe(Probe):
     def install_patches(self) -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        global _LENS
+        global _LENS, _FREE_BLOCKS
         _LENS = request_lengths_are_fields()
+        _QUEUE_LENGTHS.update(queue_lengths())
+        from vllm.v1.core.block_pool import BlockPool
+
+        _FREE_BLOCKS = (attrgetter("free_block_queue.num_free_blocks")
+                        if returns_field_of_field(BlockPool.get_num_free_blocks, "free_block_queue", "num_free_blocks")
+                        else methodcaller("get_num_free_blocks"))
 
         self.steps = self.rec.buffer("steps")
         self.step_reqs = self.rec.buffer("step_requests")
@@ -387,8 +395,9 @@ class SchedulerProbe(Probe):
         decode_reqs = len(num_sched) - prefill_reqs
         pool = sched.kv_cache_manager.block_pool
         blocks_total = pool.num_gpu_blocks - 1  # block 0 is the null block
-        blocks_used = blocks_total - pool.get_num_free_blocks()
-        num_waiting = len(sched.waiting) + len(getattr(sched, "kv_holding_waiting", ()))
+        blocks_used = blocks_total - _FREE_BLOCKS(pool)
+        waiting, holding = sched.waiting, getattr(sched, "kv_holding_waiting", ())
+        num_waiting = _QUEUE_LENGTHS.get(type(waiting), len)(waiting) + _QUEUE_LENGTHS.get(type(holding), len)(holding)
         budget = sched.max_num_scheduled_tokens
         self.pending_steps[step] = [
             step, t0, t1, None, total, prefill_tokens, total - prefill_tokens, prefill_reqs,
@@ -433,8 +442,10 @@ class SchedulerProbe(Probe):
         t = _now()
         rid = request.request_id
         arrival = int(request.arrival_time * 1e9) - ctx.utc_minus_mono_ns
-        self.req_events.append((arrival, ctx.step, rid, "arrival", request.num_prompt_tokens, None))
-        self.req_events.append((t, ctx.step, rid, "queued", request.num_prompt_tokens, None))
+        step, prompt = ctx.step, request.num_prompt_tokens
+        events = self.req_events
+        events.append((arrival, step, rid, "arrival", prompt, None))
+        events.append((t, step, rid, "queued", prompt, None))
         self.awaiting_first_token.add(rid)
         if self.token_rows is not None:  # only when the user asked (--record-tokens)
             self.token_rows.append((t, rid, "prompt", list(request.prompt_token_ids or ())))
@@ -572,6 +583,29 @@ _set_watched = _AdmissionWatch._kvm.__set__
 # Whether vLLM's Request.num_tokens / num_output_tokens are `len()` of its token-id lists (base.is_len_of):
 # the handlers then read the lists' lengths, not the properties. Set at install.
 _LENS = False
+
+# The free blocks of a BlockPool: its get_num_free_blocks(), or the attribute that method returns
+# (returns_field_of_field). Set at install.
+_FREE_BLOCKS: Any = methodcaller("get_num_free_blocks")
+
+# Request queue type -> a C function giving its length, for the types whose Python `__len__` only
+# returns deque's (queue_lengths): len() of vLLM's FCFSRequestQueue is a Python call and a super()
+# (~1-2 us, twice a step). Filled at install.
+_QUEUE_LENGTHS: dict = {}
+
+
+def queue_lengths() -> dict:
+    """{vLLM's FCFSRequestQueue: deque.__len__} where its `__len__` is `return super().__len__()` with
+    deque next in its MRO; else {} (len() is used)."""
+    try:
+        from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+    except Exception:
+        return {}
+    code = getattr(FCFSRequestQueue.__len__, "__code__", None)
+    if code is not None and code.co_names == ("super", "__len__") and FCFSRequestQueue.__mro__[1] is deque:
+        return {FCFSRequestQueue: deque.__len__}
+    return {}
+
 
 # vLLM's finished RequestStatus -> our name of its FinishReason ("stop", "length", ...), made once per
 # status: vLLM derives the reason from the status alone (RequestStatus.get_finished_reason).

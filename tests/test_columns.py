@@ -845,3 +845,42 @@ def test_recorder_writes_a_flushs_hand_overs_as_one_batch(tmp_path):
     joined = recorder_mod._joined(parts, max_rows=5)
     assert [b.num_rows for b in joined] == [5, 5]
     assert [v for b in joined for v in b.column("x").to_pylist()] == list(range(10))
+
+
+@native_only
+def test_arrow_batch_imports_the_logs_bytes_as_they_lie():
+    """`_columns.arrow_batch` hands column bytes to Arrow through its C data interface: every kind of
+    column (fixed width, string, list; with and without a validity bitmap) reads back as built with
+    pa.Array.from_buffers, and buffers too short for the rows are refused before Arrow sees them."""
+    import numpy as np
+
+    sch = pa.schema([("a", pa.int64()), ("b", pa.int16()), ("s", pa.string()), ("l", pa.list_(pa.int32()))])
+    rows = 3
+    ints = bytearray(np.array([1, -2, 3], np.int64).tobytes())
+    valid = bytearray([0b101])  # row 1 null
+    shorts = bytearray(np.array([7, 8, 9], np.int16).tobytes())
+    offsets = bytearray(np.array([0, 2, 2, 5], np.int32).tobytes())
+    text = bytearray(b"r1r22")
+    list_ends = bytearray(np.array([0, 1, 1, 3], np.int32).tobytes())
+    items = bytearray(np.array([10, 11, 12], np.int32).tobytes())
+    spec = [("f", 8, None, ints), ("f", 2, valid, shorts), ("s", valid, offsets, text), ("l", None, list_ends, 4, items)]
+    batch = columns._imported(rows, spec, sch)
+    assert batch.schema.equals(sch)
+    assert batch.to_pylist() == [
+        {"a": 1, "b": 7, "s": "r1", "l": [10]},
+        {"a": -2, "b": None, "s": None, "l": []},
+        {"a": 3, "b": 9, "s": "r22", "l": [11, 12]},
+    ]
+    del spec, ints, items  # the batch keeps the bytes it points into
+    assert batch.column("l").to_pylist() == [[10], [], [11, 12]] and batch.column("a").to_pylist() == [1, -2, 3]
+
+    with pytest.raises(ValueError, match="column 0: buffers shorter than 3 rows"):
+        columns._columns.arrow_batch(rows, [("f", 8, None, bytearray(16))])
+    with pytest.raises(ValueError, match="column 0: buffers shorter"):  # offsets past the text
+        columns._columns.arrow_batch(rows, [("s", None, offsets, bytearray(b"r1"))])
+    with pytest.raises(ValueError, match="column 1: unknown kind"):
+        columns._columns.arrow_batch(rows, [("f", 8, None, bytearray(24)), ("x", None)])
+    with pytest.raises(TypeError, match="not a bytearray"):
+        columns._columns.arrow_batch(rows, [("f", 8, None, b"\0" * 24)])
+    capsule, _ = columns._columns.arrow_batch(rows, [("f", 8, None, bytearray(24))])
+    del capsule  # never imported: the capsule releases the structs itself

@@ -480,3 +480,35 @@ def test_real_engine_kv_metrics_and_events_match(tiny_model, tmp_path):
     assert stored and removed, "the run is meant to cache and evict blocks"
     assert set(stored) == set(block_hash_counts(db, "cache"))
     assert removed == block_hash_counts(db, "evict")
+
+
+def test_free_blocks_and_queue_lengths_are_read_in_c_only_where_vllm_does_just_that():
+    """The scheduler probe reads a pool's free blocks as `free_block_queue.num_free_blocks` and a request
+    queue's length with deque's own __len__ only where vLLM's methods are exactly that (vLLM 0.32 here);
+    both give vLLM's own answers, and any other shape keeps vLLM's method."""
+    from collections import deque
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+
+    from kvtrace.probes.base import returns_field_of_field
+    from kvtrace.probes.scheduler import queue_lengths
+
+    assert returns_field_of_field(BlockPool.get_num_free_blocks, "free_block_queue", "num_free_blocks")
+    assert not returns_field_of_field(BlockPool.get_num_free_blocks, "free_block_queue", "num_blocks")
+    assert not returns_field_of_field(BlockPool.get_usage, "free_block_queue", "num_free_blocks")
+    pool = BlockPool(num_gpu_blocks=10, enable_caching=True, hash_block_size=16)
+    pool.get_new_blocks(3)
+    assert pool.free_block_queue.num_free_blocks == pool.get_num_free_blocks() == 6
+
+    lengths = queue_lengths()
+    assert lengths == {FCFSRequestQueue: deque.__len__}
+    queue = FCFSRequestQueue()
+    queue.extend([object(), object()])
+    assert lengths[type(queue)](queue) == len(queue) == 2
+
+    class Counted(FCFSRequestQueue):  # a queue whose __len__ is its own: read with len()
+        def __len__(self):
+            return 7
+
+    assert Counted not in lengths
