@@ -336,54 +336,63 @@ class SchedulerProbe(Probe):
         num_sched = out.num_scheduled_tokens
         rows = self.step_reqs
         events = self.req_events
-        prefill_tokens = prefill_reqs = prompt_new = cached_new = 0
+        prefill_tokens = prompt_new = cached_new = 0
+        # The step's prefill rows, new requests first: (request id, Request, tokens, computed before,
+        # new blocks, kind); their chunk index is worked out below, in one loop.
+        prefills = []
         for new in out.scheduled_new_reqs:
             rid = new.req_id
             req = requests.get(rid)
-            tokens = num_sched.get(rid, 0)
             computed = new.num_computed_tokens
             prompt_new += req.num_prompt_tokens if req is not None else 0
             cached_new += computed
-            chunk = self._prefill_chunk(step, rid, req, computed, tokens)
-            blocks = len(new.block_ids[0]) if new.block_ids else 0
-            rows.append((step, rid, tokens, "prefill", chunk, computed, blocks, "new"))
-            prefill_tokens += tokens
-            prefill_reqs += 1
+            prefills.append((rid, req, num_sched.get(rid, 0), computed, len(new.block_ids[0]) if new.block_ids else 0,
+                             "new"))
             events.append((t1, step, rid, "scheduled", computed, None))
         cached = out.scheduled_cached_reqs
         ids = cached.req_ids
+        chunks = self.prefill_chunks
         num_resumed = 0
+        at: list[int] = []
         if ids:
             resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
-            chunks = self.prefill_chunks
             slow = resumed_ids  # rows that are prefills; every other cached request decodes
             if chunks:
                 mid = [rid for rid in chunks if rid in num_sched]  # few: prompts being chunked
                 if mid:
                     slow = set(resumed_ids).union(mid)
             comps, new_ids = cached.num_computed_tokens, cached.new_block_ids
-            at: list[int] = []
             if slow:
                 # Few rows are prefills: find their positions without a Python loop over every
-                # running request (~70 us a step); every other row decodes. A new request still
-                # chunking is not among the cached ones.
+                # running request (~70 us a step); every other row decodes.
                 at = positions(ids, slow)
                 for i in at:
                     rid = ids[i]
-                    req = requests.get(rid)
-                    tokens = num_sched[rid]
                     computed = comps[i]
                     nb = new_ids[i]
-                    resumed = rid in resumed_ids
-                    if resumed:
+                    kind = "running"
+                    if rid in resumed_ids:
+                        kind = "resumed"
                         num_resumed += 1
-                        chunks.pop(rid, None)
+                        chunks.pop(rid, None)  # the recompute is a new prefill, from chunk 0
                         events.append((t1, step, rid, "resumed", computed, None))
-                    chunk = self._prefill_chunk(step, rid, req, computed, tokens)
-                    rows.append((step, rid, tokens, "prefill", chunk, computed, len(nb[0]) if nb else 0,
-                                 "resumed" if resumed else "running"))
-                    prefill_tokens += tokens
-                    prefill_reqs += 1
+                    prefills.append((rid, requests.get(rid), num_sched[rid], computed, len(nb[0]) if nb else 0, kind))
+        if prefills:
+            # Each prefill's chunk index, and whether its request is still prefilling after it (inline:
+            # a method call per row cost more than the rest of the row).
+            awaiting = self.awaiting_first_token
+            for rid, req, tokens, computed, blocks, kind in prefills:
+                chunk = chunks.get(rid, 0)
+                if req is not None and computed + tokens < (len(req._all_token_ids) if _LENS else req.num_tokens):
+                    chunks[rid] = chunk + 1
+                else:  # the prompt (or the recompute) is complete: decode from the next step
+                    chunks.pop(rid, None)
+                    if rid in awaiting and req is not None:
+                        self.first_token_due.setdefault(step, []).append((rid, req))
+                rows.append((step, rid, tokens, "prefill", chunk, computed, blocks, kind))
+                prefill_tokens += tokens
+        prefill_reqs = len(prefills)
+        if ids:
             decoding = len(ids) - len(at)
             if decoding:
                 # Every scheduled request has >= 1 token (prefill_tokens counts all the others): the
@@ -406,18 +415,6 @@ class SchedulerProbe(Probe):
             self.preempted_this_step, len(out.scheduled_new_reqs), num_resumed, 0, prompt_new,
             cached_new,
         ]
-
-    def _prefill_chunk(self, step: int, rid: str, req: Any, computed: int, tokens: int) -> int:
-        """This prefill chunk's index; notes whether the request is still prefilling after it."""
-        chunks = self.prefill_chunks
-        chunk = chunks.get(rid, 0)
-        if req is not None and computed + tokens < (len(req._all_token_ids) if _LENS else req.num_tokens):
-            chunks[rid] = chunk + 1
-        else:  # the prompt (or the recompute) is complete: decode from the next step
-            chunks.pop(rid, None)
-            if rid in self.awaiting_first_token and req is not None:
-                self.first_token_due.setdefault(step, []).append((rid, req))
-        return chunk
 
     def _admission_stop(self, sched: Any, total: int, budget: int, num_waiting: int) -> str:
         """Why the waiting queue stopped being admitted this step (see vllm-hook-map.md)."""
