@@ -45,7 +45,7 @@ def wrap_handlers() -> None:
     from kvtrace.probes import columns, kv_blocks, scheduler
 
     methods = {
-        scheduler.SchedulerProbe: ("on_schedule", "after_update", "on_add_request", "on_preempt", "on_finished",
+        scheduler.SchedulerProbe: ("on_schedule", "after_update", "on_preempt", "on_finished",
                                    "may_watch", "disarm_admission", "nvtx_open", "nvtx_close", "take"),
         kv_blocks.BlockPoolProbe: ("take",),
         # The logs in use (native or Python). Their timing wrapper is one more frame between the pool

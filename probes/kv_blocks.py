@@ -206,25 +206,23 @@ class PrefixCacheProbe(Probe):
         inject = self.options.get("inject_fault") == self.name
         lens = request_lengths_are_fields()  # len(request._all_token_ids), not the property (base.is_len_of)
 
-        def on_counted(kvm: Any, request: Any, num_hits: int) -> None:
-            if not kvm.prefix_cache_lookup_enabled(request):
-                return  # vLLM did not count it either
-            if inject:
-                probe.maybe_inject_fault()
-            if kvm is not sizes[0]:
-                sizes[:] = [kvm, *block_sizes(kvm)]
-            hash_block, block = sizes[1], sizes[2]
-            hashes = request.block_hashes
-            full = len(hashes)
-            query = len(request._all_token_ids) if lens else request.num_tokens
-            missed = hashes[num_hits // hash_block:]
-            out.append((_now(), ctx.step, request.request_id, query, num_hits, num_hits // block, full,
-                        query - full * hash_block, missed if raw_hashes else list(hashes64(missed)),
-                        external.pop(request.request_id, None), 1 if request.num_preemptions > 0 else 0))
-
-        env = {"probe": probe, "on_counted": on_counted}
+        env = {"probe": probe, "out": out, "sizes": sizes, "block_sizes": block_sizes, "raw_hashes": raw_hashes,
+               "hashes64": hashes64, "inject": inject, "lens": lens, "external": external, "_now": _now, "ctx": ctx}
+        # The lookup's row, inline in the wrapper: a handler call per lookup cost about as much as the row.
         patch_exact(self, KVCacheManager, {
-            "record_prefix_cache_stats": after_call("on_counted({self}, request, num_hits)"),
+            "record_prefix_cache_stats": after_call("""if {self}.prefix_cache_lookup_enabled(request):  # else vLLM did not count it
+                if inject:
+                    probe.maybe_inject_fault()
+                if {self} is not sizes[0]:
+                    sizes[:] = [{self}, *block_sizes({self})]
+                hash_block, block = sizes[1], sizes[2]
+                hashes = request.block_hashes
+                full = len(hashes)
+                query = len(request._all_token_ids) if lens else request.num_tokens
+                missed = hashes[num_hits // hash_block:]
+                out.append((_now(), ctx.step, request.request_id, query, num_hits, num_hits // block, full,
+                            query - full * hash_block, missed if raw_hashes else list(hashes64(missed)),
+                            external.pop(request.request_id, None), 1 if request.num_preemptions > 0 else 0))"""),
         }, env)
 
 

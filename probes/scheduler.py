@@ -208,7 +208,22 @@ class SchedulerProbe(Probe):
     except Exception as exc:
         probe.fail(exc)
     return result""",
-            "add_request": before_call("probe.on_add_request({self}, request)"),
+            # Arrival and queued rows, inline: a handler call per request cost about as much as its rows.
+            "add_request": """
+    if probe.enabled:
+        try:
+            t = _now()
+            rid = request.request_id
+            step, prompt = ctx.step, request.num_prompt_tokens
+            events = probe.req_events
+            events.append((int(request.arrival_time * 1e9) - ctx.utc_minus_mono_ns, step, rid, "arrival", prompt, None))
+            events.append((t, step, rid, "queued", prompt, None))
+            probe.awaiting_first_token.add(rid)
+            if probe.token_rows is not None:  # only when the user asked (--record-tokens)
+                probe.token_rows.append((t, rid, "prompt", list(request.prompt_token_ids or ())))
+        except Exception as exc:
+            probe.fail(exc)
+    return {call}""",
             "_preempt_request": """
     if not probe.enabled:
         return {call}
@@ -434,18 +449,6 @@ class SchedulerProbe(Probe):
             return "lora"
         # Chunked prefill off and the next prompt does not fit the remaining budget.
         return "tok-budget"
-
-    def on_add_request(self, sched: Any, request: Any) -> None:
-        t = _now()
-        rid = request.request_id
-        arrival = int(request.arrival_time * 1e9) - ctx.utc_minus_mono_ns
-        step, prompt = ctx.step, request.num_prompt_tokens
-        events = self.req_events
-        events.append((arrival, step, rid, "arrival", prompt, None))
-        events.append((t, step, rid, "queued", prompt, None))
-        self.awaiting_first_token.add(rid)
-        if self.token_rows is not None:  # only when the user asked (--record-tokens)
-            self.token_rows.append((t, rid, "prompt", list(request.prompt_token_ids or ())))
 
     def on_preempt(self, request: Any, computed_before: int, blocks: int) -> None:
         t = _now()
