@@ -4,7 +4,8 @@
 
 For benchmarks and tests of everything after the recorder (ingest, queries, export) at sizes a real
 run on this machine cannot reach. The files are written by the recorder's own `ShardWriter` (one
-batch per table per simulated 0.5 s flush, as a real recording has), with a manifest from
+batch per table per simulated 0.5 s flush, as a recording had until the recorder's default became
+2 s; kept, so that the scale benchmarks read the same inputs as before), with a manifest from
 `kvtrace.session.new_manifest` and a `proc.json` per process with the recorder's keys.
 
 The model, simulated with NumPy a window of steps at a time (memory does not grow with N):
@@ -45,7 +46,7 @@ POOL = LANES * LANE_BLOCKS
 GROUPS = 16  # shared system prompts
 KV_EVERY = 32  # kv_access: one layer's block records every KV_EVERY steps
 WINDOW = 2048  # steps simulated at once
-FLUSH_NS = 500_000_000  # the recorder's default flush interval
+FLUSH_NS = 500_000_000  # a simulated flush interval (the recorder's default was 0.5 s; now 2 s)
 ANCHOR_NS = 10_000_000_000  # the recorder writes a clock anchor every 10 s
 T0_NS = 1_000_000_000_000  # monotonic clock at the first step
 UTC0_NS = 1_790_000_000_000_000_000  # its UTC
