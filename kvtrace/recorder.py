@@ -42,16 +42,17 @@ KEEP_TABLES = ("drops", "clock_anchors")
 
 # proc.json is rewritten at a flush only when something in it other than the row counts changed (a
 # drop, a probe's status, a warning, the status) or this long after the last write (s): each write
-# (JSON of the whole document, a temporary file, a rename) cost ~0.5 ms, and the writer flushes twice a
-# second (bench_host_probes: ~0.25% of a scheduling step). The shards never wait for it: proc.json's
-# counts may lag them by this much, never lead them.
+# (JSON of the whole document, a temporary file, a rename) cost ~0.5 ms, when the writer flushed twice a
+# second (bench_host_probes: ~0.25% of a scheduling step); at the default 2 s flush interval it is
+# rewritten at every flush. The shards never wait for it: proc.json's counts may lag them by this much,
+# never lead them.
 PROC_REFRESH_S = 2.0
 
 # How often the writer wakes and writes (s). A flush costs mostly per table and per column, not per row
-# (each column of each table taken into Arrow, each batch serialised and written: ~0.5 ms a table on a
-# slow 2-CPU machine), so the writer's CPU follows the number of flushes: at 0.5 s it took ~1.2% of a
-# scheduling step (bench_host_steps, docs/performance.md "Eighteenth session"), at 2 s about a quarter
-# of that. A process killed outright (SIGKILL) loses at most this much of its rows, plus the last
+# (each table's columns taken into Arrow, its batch serialised and written: ~0.5 ms a table on a slow
+# 2-CPU machine), so the writer's CPU follows the number of flushes: at 0.5 s it took ~1.2% of a
+# scheduling step (bench_host_steps, docs/performance.md "Eighteenth session"), at 2 s a quarter of
+# that or less. A process killed outright (SIGKILL) loses at most this much of its rows, plus the last
 # hand-over of the block and decode logs (probes/columns.py FLUSH_NS); `kvtrace record` asks every
 # process to flush (SIGUSR2) before it passes a stop signal on. Perfetto writes its file every 5 s.
 FLUSH_INTERVAL_S = 2.0
