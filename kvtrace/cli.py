@@ -65,6 +65,8 @@ def cli(debug: bool) -> None:
               help=r"Regex with named groups job and turn parsed from request ids, e.g. '(?P<job>\w+)-t(?P<turn>\d+)'.")
 @click.option("--nvtx/--no-nvtx", default=True, show_default=True, help="Emit NVTX ranges and marks.")
 @click.option("--nvtx-layers", is_flag=True, help="Also emit an NVTX range per attention layer.")
+# The recorder's FLUSH_INTERVAL_S, written out: importing the recorder here would load pyarrow for every
+# command (tests/test_cli.py checks that the two agree).
 @click.option("--flush-interval", default=2.0, show_default=True,
               help="Seconds between shard flushes (a process killed outright loses at most this much).")
 @click.option("--probes", default=None, help="Comma-separated probes to enable (default: all).")

@@ -301,7 +301,7 @@ class Recorder:
         if isinstance(cols, pa.RecordBatch) and cols.schema.equals(sch):  # a native log's take(): as it is
             self.buffers[table].append(cols)
             return
-        # Arrow arrays (the native logs' columns) are taken as they are; from_arrays checks their types.
+        # Arrow arrays are taken as they are, other columns converted; from_arrays checks their types.
         batch = pa.RecordBatch.from_arrays([col if isinstance(col, pa.Array) else pa.array(col, type=t, memory_pool=WRITE_POOL)
                                             for col, t in zip(map(cols.__getitem__, sch.names), _types(table))],
                                            schema=sch)

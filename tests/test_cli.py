@@ -27,6 +27,15 @@ def test_help_has_an_example_and_readme_mentions_it(command):
     assert f"kvtrace {command}" in (REPO / "README.md").read_text()
 
 
+def test_record_flushes_at_the_recorders_default_interval():
+    """`kvtrace record --flush-interval` defaults to the recorder's own default (the CLI writes it out
+    rather than importing the recorder, which loads pyarrow)."""
+    from kvtrace.recorder import FLUSH_INTERVAL_S
+
+    (option,) = [p for p in cli.commands["record"].params if p.name == "flush_interval"]
+    assert option.default == FLUSH_INTERVAL_S
+
+
 def test_top_level_help_and_version():
     assert "record" in run_kvtrace("--help").stdout
     assert run_kvtrace("--version").stdout.strip().startswith("kvtrace, version")
