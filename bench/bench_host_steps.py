@@ -3,6 +3,7 @@
     python bench/bench_host_steps.py                 # 12 rounds (~2 min on 2 cores)
     python bench/bench_host_steps.py --rounds 30     # a narrower interval (~5 min)
     python bench/bench_host_steps.py --probes kv_blocks   # one probe's part
+    python bench/bench_host_steps.py --null-patches  # control: the method's own bias (~0)
 
 Why a second benchmark. bench_host_probes.py compares whole rounds (one workload on a fresh scheduler,
 0.4-1.5 s each) with the probes off and on. On a quiet machine its rounds agree to +-1%; on a slow,
@@ -21,7 +22,10 @@ prefixes, preemptions) and steps them in turns of `--run` steps, in an order shu
   `__class__` is worse: its attributes are then read ~2x slower.)
 
 Timing. Putting patches on or off changes the classes' versions, so the first `--warm` step(s) of a turn
-re-specialise vLLM's code and are not timed, for any scheduler. Every other step (with the requests added
+re-specialise vLLM's code and are not timed, for any scheduler. The classes are written before every
+turn of every scheduler, changed or not, so that vLLM's code re-specialises as often for each (see
+`Patches`; before 2026-11-25, nineteenth session, they were written only when they changed, which cost
+`on` an extra +0.2-0.4%). Every other step (with the requests added
 after it, as a client would) is timed on the scheduler thread's CPU clock. The recorder's writer thread
 is timed on its own CPU clock, with each round's final flush; it writes the rows of all of `on`'s steps,
 so `on` is charged its share for the steps timed. The schedulers share the wall clock (`on` steps for a
@@ -76,9 +80,19 @@ class Patches:
     a disabled wrapper). All three schedulers are instances of the same classes: on CPython 3.11, objects
     of different classes (say, subclasses holding the original methods) passing through the same vLLM
     code make its specialised instructions miss in turn, which cost a scheduler ~1% per step here
-    whatever the probes did."""
+    whatever the probes did.
 
-    def __init__(self, probes: list):
+    Every turn starts with the classes written (`set`), whether their methods change or not. Writing a
+    class attribute changes the class's version, so every specialised attribute read on its instances
+    (all of vLLM's scheduler code) misses and runs the generic path until CPython re-specialises it, after
+    ~50 misses for each instruction: vLLM's once-a-step code runs slower for many steps after a write.
+    Written only when they changed, the classes were written before nearly every turn of `on` and about
+    half of the others', which alone cost `on` +0.20% [95% interval +0.06, +0.34] (the Scheduler's
+    patches) to +0.38% [+0.20, +0.56] (all) with vLLM's own functions put back in place of the patches
+    (`--null-patches`, no probe code at all; docs/performance.md, nineteenth session). Written at every
+    turn, they cost every scheduler alike."""
+
+    def __init__(self, probes: list, null: bool = False):
         self.patched, self.original = [], []
         seen = set()
         for probe in probes:
@@ -86,15 +100,15 @@ class Patches:
                 if (owner, attr) in seen:  # patched twice: the first patch saw vLLM's own
                     continue
                 seen.add((owner, attr))
-                self.patched.append((owner, attr, owner.__dict__[attr]))
+                # --null-patches: `on` gets vLLM's own methods too (the writes' cost alone)
+                self.patched.append((owner, attr, original if null else owner.__dict__[attr]))
                 self.original.append((owner, attr, original))
         self.on = True
 
     def set(self, on: bool) -> None:
-        if on != self.on:
-            for owner, attr, value in self.patched if on else self.original:
-                setattr(owner, attr, value)
-            self.on = on
+        for owner, attr, value in self.patched if on else self.original:
+            setattr(owner, attr, value)
+        self.on = on
 
 
 def thread_clock(thread: threading.Thread | None):
@@ -108,7 +122,7 @@ def thread_clock(thread: threading.Thread | None):
 def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tuple, order_seed: int) -> dict:
     """One workload on three fresh schedulers stepped in turn; per block of steps, ns of CPU per mode."""
     probes = install_probes(rec, names)
-    patches = Patches(probes)
+    patches = Patches(probes, null=args.null_patches)
     feeders = {}
     rng = random.Random(order_seed)
     # Built in a shuffled order too: the first one built gets the process's memory first, which could
@@ -129,7 +143,7 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
         rng.shuffle(order)
         for mode in order:  # a turn each: --run steps in a row, the first --warm of them not timed
             f = feeders[mode]
-            patches.set(mode == "on")  # the next step re-specialises what this changed: --warm
+            patches.set(mode == "on")  # every turn: the next step re-specialises vLLM's code (--warm)
             for j in range(args.run):
                 if not f.d.has_work():
                     break
@@ -204,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", type=float, default=0.0, metavar="US",
                     help="also burn US microseconds of CPU in each of `on`'s steps: a cost of known size, to check "
                          "that the method reads it (with --probes '' it is all there is)")
+    ap.add_argument("--null-patches", action="store_true",
+                    help="control: `on` installs the probes but steps with vLLM's own methods put back in their place "
+                         "(classes written as at every turn, no probe code runs; reads the method's own bias, ~0)")
     args = ap.parse_args(argv)
 
     from kvtrace import recorder
@@ -265,7 +282,10 @@ def measure(args: argparse.Namespace, stretch: int) -> int:
               ("prefix_lookups", rows["prefix_lookups"], expected["lookups"])]
     if names != tuple(HOST_PROBES):  # a part of the probes records only its own tables
         checks = [c for c in checks if c[1] or c[2] == 0]
-    print("\nrows recorded (the `on` scheduler, all rounds) vs vLLM's own counts:")
+    if args.null_patches:  # no probe code ran: nothing to check, and no verdict below
+        checks = []
+    print("\nrows recorded (the `on` scheduler, all rounds) vs vLLM's own counts:"
+          + (" none checked (--null-patches: no probe code ran)" if args.null_patches else ""))
     for name, got, want in checks:
         print(f"  {name:15s} {got:9d}  vLLM {want:9d}  {'ok' if got == want else 'MISMATCH'}")
     print(f"  drops: {drops}")
@@ -288,6 +308,10 @@ def measure(args: argparse.Namespace, stretch: int) -> int:
         expected_pct = args.calibrate * 1e3 * steps / (off_s * 1e9) * 100
         print(f"calibration: `on` burnt {args.calibrate:g} us of CPU a step, {expected_pct:+.2f}% of `off`'s CPU: "
               f"the figure above should read that much more than without it")
+    if args.null_patches:
+        print("\n--null-patches: the figure above is the method's own bias (vLLM's methods written back at every "
+              "turn, no probe code): it should read ~0")
+        return 0
     exact = drops == 0 and all(g == w for _, g, w in checks)
     verdict = "MET" if exact and hi <= TARGET_PCT else "MISSED" if not exact or lo > TARGET_PCT else "NOT RESOLVED"
     print(f"\ntarget <= {TARGET_PCT}% (the 95% interval above), 0 drops, every event recorded: {verdict}"

@@ -40,6 +40,23 @@ def test_patches_go_on_and_off_vllms_classes(tmp_path):
         assert Scheduler.__dict__["schedule"] is vllm_schedule and BlockPool.__dict__["touch"] is vllm_touch
         patches.set(True)
         assert Scheduler.__dict__["schedule"] is wrapped_schedule and BlockPool.__dict__["touch"] is hooked_touch
+        # Every turn writes the classes, changed or not (a write changes a class's version whatever the value),
+        # so vLLM's code re-specialises as often for each scheduler.
+        writes = []
+        bench.setattr = lambda owner, attr, value: (writes.append((owner, attr)), setattr(owner, attr, value))
+        try:
+            patches.set(True)
+            patches.set(True)
+            patches.set(False)
+            patches.set(False)
+        finally:
+            del bench.setattr
+        assert len(writes) == 4 * len(patches.patched) and (Scheduler, "schedule") in writes
+        # --null-patches: `on` steps with vLLM's own methods, written back the same way (the method's own bias).
+        null = bench.Patches(probes, null=True)
+        null.set(True)
+        assert Scheduler.__dict__["schedule"] is vllm_schedule and BlockPool.__dict__["touch"] is vllm_touch
+        patches.set(True)
     finally:
         uninstall_probes(probes)
         rec.close()
