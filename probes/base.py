@@ -165,8 +165,7 @@ def exact_wrapper(orig: Any, body: str, env: dict) -> Any:
     ~7,000 instructions per call against ~1,000, for block-pool methods called thousands of times a
     second. `body` is the wrapper's code (it may name orig's parameters, which `targets()` checks);
     `{call}` in it becomes the call of the original forwarding every parameter as declared (keyword-only
-    ones by name, `*args` / `**kwargs` when orig has them), `{self}` the first parameter's name, `{args}`
-    the same arguments as `{call}` passes less the first (to call a method of another object).
+    ones by name, `*args` / `**kwargs` when orig has them), `{self}` the first parameter's name.
     """
     import inspect
 
@@ -199,7 +198,7 @@ def exact_wrapper(orig: Any, body: str, env: dict) -> Any:
             call.append(p.name)
     first = next(iter(sig.parameters), "self")
     src = f"def wrapper({', '.join(params)}):" + body.replace("{call}", f"__orig({', '.join(call)})").replace(
-        "{args}", ", ".join(call[1:])).replace("{self}", first)
+        "{self}", first)
     exec(compile(src, f"<kvtrace wrapper of {getattr(orig, '__qualname__', orig)}>", "exec"), ns)
     wrapper = ns["wrapper"]
     wrapper.__name__ = getattr(orig, "__name__", "wrapper")

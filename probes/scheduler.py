@@ -31,12 +31,10 @@ measured ~2% of a step). See bench/bench_host_probes.py.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import deque
 from itertools import repeat
 from operator import attrgetter, is_not, methodcaller
-from types import FunctionType
 from typing import Any
 
 from kvtrace.probes.base import (
@@ -75,7 +73,6 @@ class SchedulerProbe(Probe):
             (SCHED, "Scheduler._handle_blocked_waiting_request", ("request",)),
             ("vllm.v1.engine.core", "EngineCore.shutdown", ()),
             (KVM, "KVCacheManager.allocate_slots", ("request", "num_new_tokens")),
-            ("vllm.v1.request", "RequestStatus.RUNNING", ()),  # the watch: a request not running
         ]
 
     def install_patches(self) -> None:
@@ -139,7 +136,6 @@ class SchedulerProbe(Probe):
 
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.engine.core import EngineCore
-        from vllm.v1.request import RequestStatus
 
         self.patch(EngineCore, "shutdown", shutdown)
         # The kv-insuf watch (may_watch): a stand-in for the KVCacheManager whose allocate_slots
@@ -153,16 +149,15 @@ class SchedulerProbe(Probe):
         sched.kv_cache_manager = self
         probe.armed = None
     # None for a request that is not running = admission stopped for lack of KV blocks.
-    if blocks is None and request.status is not RUNNING:
+    if blocks is None and request.status.name != "RUNNING":
         probe.kv_short = True
-    return blocks""", {"probe": self, "RUNNING": RequestStatus.RUNNING})
+    return blocks""", {"probe": self})
         # vLLM's own allocate_slots is kept on the watch's class (for may_watch), under a name no
         # manager attribute has (every name on the watch shadows the manager's), not on the probe:
         # CPython 3.11 keeps at most 29 instance attributes as inline values; with a 30th, every
         # `probe.x` in the wrappers reads a materialised dict (test_probe_attributes_stay_inline_values).
         self.watch = type("AdmissionWatch", (_AdmissionWatch,),
-                          {"allocate_slots": watch_alloc, "_kvtrace_vllm_allocate_slots": alloc_plain,
-                           "_kvtrace_manager_cls": None})()
+                          {"allocate_slots": watch_alloc, "_kvtrace_vllm_allocate_slots": alloc_plain})()
         # The wrappers run once per step (schedule, update_from_output) or per request (the rest). As
         # `exact_wrapper`s, vLLM's calls through them stay specialised Python calls (a `*args, **kwargs`
         # wrapper costs an argument tuple, a dict and a C-level call each time). Each body names
@@ -301,16 +296,9 @@ class SchedulerProbe(Probe):
     def may_watch(self, kvm: Any) -> bool:
         """May the watch stand in for this KVCacheManager (asked once per manager; the wrapper of
         `_handle_blocked_waiting_request` arms it)? Not when the manager has its own allocate_slots (an
-        instance attribute, or a class with its own method): that one would be bypassed. The watch's
-        forwarders take the parameters of the manager class they were made for: a manager of another
-        class clears them (they are made again at their first read)."""
-        watch_cls = type(self.watch)
-        if getattr(kvm.allocate_slots, "__func__", None) is not watch_cls._kvtrace_vllm_allocate_slots:
+        instance attribute, or a class with its own method): that one would be bypassed."""
+        if getattr(kvm.allocate_slots, "__func__", None) is not type(self.watch)._kvtrace_vllm_allocate_slots:
             return False
-        if watch_cls._kvtrace_manager_cls is not type(kvm):
-            for name in [n for n in vars(watch_cls) if not n.startswith("_") and n != "allocate_slots"]:
-                delattr(watch_cls, name)
-            watch_cls._kvtrace_manager_cls = type(kvm)
         self.watchable = kvm
         return True
 
@@ -575,13 +563,14 @@ class _AdmissionWatch:
     __slots__ = ("_kvm",)
 
     def __getattr__(self, name: str) -> Any:
-        # The first read of `name` through the watch installs a forwarder on its class, so the later ones
-        # never come here: on CPython 3.11, __getattr__ runs only after the normal lookup has raised an
-        # AttributeError with a formatted message (~3,000 instructions).
+        # The first read of `name` through the watch installs a forwarding property on its class, so
+        # the later ones never come here: on CPython 3.11, __getattr__ runs only after the normal
+        # lookup has raised an AttributeError with a formatted message (~3,000 instructions), and vLLM
+        # reads a few of the manager's names per waiting request (~2,600 a round in the benchmark).
         if name == "_kvm":  # not armed: no manager to forward to
             raise AttributeError(name)
         if not name.startswith("__"):
-            setattr(type(self), name, _forwarder(type(self._kvm), name))
+            setattr(type(self), name, property(attrgetter("_kvm." + name)))
         return getattr(self._kvm, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -590,29 +579,6 @@ class _AdmissionWatch:
 
 # Sets the watch's own `_kvm` slot (its __setattr__ forwards every name to the manager).
 _set_watched = _AdmissionWatch._kvm.__set__
-
-
-def _forwarder(manager_cls: type, name: str) -> Any:
-    """What the watch's class gets for `name`, read on a manager of class `manager_cls`.
-
-    For a plain function of that class (a method: `get_computed_blocks`), a function with the method's
-    own parameters whose body is `return self._kvm.<name>(<the parameters>)`: vLLM's call through the
-    watch stays a specialised Python call, where a property is a generic lookup on CPython 3.11 and a
-    bound method made at each read (~1,500 instructions a read, 818 a round in bench_host_probes). The
-    method is looked up on the manager at each call, so a patch of its class made later (another
-    probe's) is not bypassed. The parameters are that class's: `may_watch` clears the forwarders when a
-    manager of another class is watched. For anything else (data, properties, static and class
-    methods), a property that reads the manager's attribute.
-    """
-    func = inspect.getattr_static(manager_cls, name, None)
-    try:
-        first = next(iter(inspect.signature(func).parameters.values()), None) if isinstance(func, FunctionType) else None
-    except (TypeError, ValueError):  # a signature that cannot be read: the property below
-        first = None
-    if first is not None and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD):
-        return exact_wrapper(func, f"""
-    return {{self}}._kvm.{name}({{args}})""", {})
-    return property(attrgetter("_kvm." + name))
 
 # Whether vLLM's Request.num_tokens / num_output_tokens are `len()` of its token-id lists (base.is_len_of):
 # the handlers then read the lists' lengths, not the properties. Set at install.
