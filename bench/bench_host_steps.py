@@ -103,12 +103,10 @@ class Patches:
                 # --null-patches: `on` gets vLLM's own methods too (the writes' cost alone)
                 self.patched.append((owner, attr, original if null else owner.__dict__[attr]))
                 self.original.append((owner, attr, original))
-        self.on = True
 
     def set(self, on: bool) -> None:
         for owner, attr, value in self.patched if on else self.original:
             setattr(owner, attr, value)
-        self.on = on
 
 
 def thread_clock(thread: threading.Thread | None):
