@@ -17,10 +17,10 @@ test: setup-test
 	$(PY) -m pytest -q -rs
 
 lint:
-	$(VENV)/bin/ruff check kvtrace probes ingest queries viewer tests bench
+	$(VENV)/bin/ruff check src tests bench scripts
 
 bench:
 	$(PY) bench/bench_overhead.py
 
 schema-doc:
-	$(PY) -m kvtrace.schema > docs/schema.md
+	$(PY) -m kvtrace.store.schema_doc > docs/schema.md

@@ -24,11 +24,14 @@ import statistics
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvtrace.probes.kv_ring import CPUKVAccessRing, MemoryRecorder, make_ring
+from kvtrace.probes.kv_access import make_ring
+from kvtrace.probes.kv_access.ring import CPUKVAccessRing
+from kvtrace.record.recorder import MemoryRecorder
 
 
 class CountingRecorder(MemoryRecorder):
@@ -290,7 +293,7 @@ def bench(args):
     rings = {"timing": make("timing", None), "blocks-3": make("blocks", "0,15,31"),
              "blocks-all": make("blocks", "all"), "timing+ovl": make("timing", None, True),
              "blocks-all+ovl": make("blocks", "all", True)}
-    from kvtrace.probes.device_ring import empty_kernel_launcher
+    from kvtrace.probes.kv_access.cuda_ring import empty_kernel_launcher
 
     empty_kernel = empty_kernel_launcher(dev.index)
 
@@ -376,10 +379,10 @@ def bench(args):
 # ---- compute-sanitizer driver ---------------------------------------------------------------------------
 def sanitize(args):
     """Small, exact: eager + graph capture/replay + wrap with a tiny ring; exits non-zero on a mismatch."""
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.helpers
     import random
 
-    from test_kv_ring import make_metadata, strip_ts  # noqa: E402
+    from tests.helpers.ring_metadata import make_metadata, strip_ts  # noqa: E402
 
     dev = torch.device("cuda", torch.cuda.current_device())
     rng = random.Random(0)

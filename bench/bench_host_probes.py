@@ -5,7 +5,7 @@
     python bench/bench_host_probes.py --processes 1    # one process only (~20-40 s; noisier, see below)
     python bench/bench_host_probes.py --profile on     # cProfile of one round with the probes on
 
-Drives vLLM's own `Scheduler` + `KVCacheManager` + `BlockPool` (tests/driven_scheduler.py: the VllmConfig
+Drives vLLM's own `Scheduler` + `KVCacheManager` + `BlockPool` (tests/helpers/driven_scheduler.py: the VllmConfig
 of the tiny model, a real KVCacheConfig, requests hashed with the engine's block hasher) with made-up
 model outputs, so the step is scheduling only: the worst case for the probes' relative cost (a real step
 adds the forward pass). Workload: `--concurrency` (256) requests in flight at all times (a finished
@@ -56,8 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvtrace.recorder import FLUSH_INTERVAL_S  # noqa: E402
-from tests.driven_scheduler import (  # noqa: E402
+from kvtrace.record.recorder import FLUSH_INTERVAL_S  # noqa: E402
+from tests.helpers.driven_scheduler import (  # noqa: E402
     HOST_PROBES,
     DrivenConfig,
     DrivenScheduler,
@@ -139,8 +139,8 @@ def run_round(model: str, cfg: DrivenConfig, prompts: list[list[int]], concurren
 def measure(args: argparse.Namespace, verbose: bool = True) -> dict:
     """Interleaved off/on rounds in this process; returns medians, the paired ratio, the per-thread
     split and the row checks (every recorded count against vLLM's own)."""
-    from kvtrace.model import ensure_tiny_model
-    from kvtrace.recorder import Recorder
+    from kvtrace.demo.model import ensure_tiny_model
+    from kvtrace.record.recorder import Recorder
 
     names = tuple(n for n in args.probes.split(",") if n)
     model = str(ensure_tiny_model())
@@ -169,7 +169,7 @@ def measure(args: argparse.Namespace, verbose: bool = True) -> dict:
             results[mode].append(c)
     rec.close()
     # Rows as ingest would store them: decode rows come as decode_runs, each expanded into its rows.
-    from kvtrace.ingest.shards import stored_rows
+    from kvtrace.format.shards import stored_rows
 
     stored = stored_rows(rec.dir)
     tmp.cleanup()
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(measure(args, verbose=False)))
         return 0
-    from kvtrace.probes.columns import NATIVE_MISSING, native
+    from kvtrace.record.buffers import NATIVE_MISSING, native
 
     print(f"workload: {args.requests} requests, {args.concurrency} in flight, prefix {args.prefix_tokens} + "
           f"{args.suffix_tokens} tokens, {args.max_tokens} out, pool {args.num_blocks} blocks of 32; "
@@ -345,8 +345,8 @@ def profile(args: argparse.Namespace) -> int:
     import cProfile
     import pstats
 
-    from kvtrace.model import ensure_tiny_model
-    from kvtrace.recorder import Recorder
+    from kvtrace.demo.model import ensure_tiny_model
+    from kvtrace.record.recorder import Recorder
 
     names = tuple(n for n in args.probes.split(",") if n)
     cfg = DrivenConfig(num_blocks=args.num_blocks, max_num_seqs=args.concurrency, max_num_batched_tokens=2048)

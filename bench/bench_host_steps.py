@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 # bench_host_probes, beside this file: the same workload (it puts the repository on the path, and its
-# names from tests/driven_scheduler.py are the ones used here).
+# names from tests/helpers/driven_scheduler.py are the ones used here).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_host_probes import (  # noqa: E402
     FLUSH_INTERVAL_S,
@@ -89,7 +89,7 @@ class Patches:
     Written only when they changed, the classes were written before nearly every turn of `on` and about
     half of the others', which alone cost `on` +0.20% [95% interval +0.06, +0.34] (the Scheduler's
     patches) to +0.38% [+0.20, +0.56] (all) with vLLM's own functions put back in place of the patches
-    (`--null-patches`, no probe code at all; docs/performance.md, nineteenth session). Written at every
+    (`--null-patches`, no probe code at all; docs/performance.md, "Host probes"). Written at every
     turn, they cost every scheduler alike."""
 
     def __init__(self, probes: list, null: bool = False):
@@ -221,26 +221,25 @@ def main(argv: list[str] | None = None) -> int:
                          "(classes written as at every turn, no probe code runs; reads the method's own bias, ~0)")
     args = ap.parse_args(argv)
 
-    from kvtrace import recorder
-    from kvtrace.probes import columns
+    from kvtrace.record import buffers, recorder
 
     # The schedulers share the wall clock: in a second, `on` steps for a third of it. The probes' and the
     # recorder's wall-clock intervals (the logs' hand-overs, the writer's flushes, proc.json's refresh)
     # are stretched as much, so that they come as often per step of `on` as in an engine.
     stretch = len(MODES)
-    intervals = columns.FLUSH_NS, recorder.PROC_REFRESH_S
-    columns.FLUSH_NS, recorder.PROC_REFRESH_S = int(intervals[0] * stretch), intervals[1] * stretch
+    intervals = buffers.FLUSH_NS, recorder.PROC_REFRESH_S
+    buffers.FLUSH_NS, recorder.PROC_REFRESH_S = int(intervals[0] * stretch), intervals[1] * stretch
     try:
         return measure(args, stretch)
     finally:  # as they were (a test calls main() in a process that goes on)
-        columns.FLUSH_NS, recorder.PROC_REFRESH_S = intervals
+        buffers.FLUSH_NS, recorder.PROC_REFRESH_S = intervals
 
 
 def measure(args: argparse.Namespace, stretch: int) -> int:
-    from kvtrace.ingest.shards import stored_rows
-    from kvtrace.model import ensure_tiny_model
-    from kvtrace.probes.columns import NATIVE_MISSING, native
-    from kvtrace.recorder import Recorder
+    from kvtrace.demo.model import ensure_tiny_model
+    from kvtrace.format.shards import stored_rows
+    from kvtrace.record.buffers import NATIVE_MISSING, native
+    from kvtrace.record.recorder import Recorder
 
     names = tuple(n for n in args.probes.split(",") if n)
     model = str(ensure_tiny_model())

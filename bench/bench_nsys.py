@@ -2,7 +2,7 @@
 
     python bench/bench_nsys.py [--kernels 1000000] [--repeat 3]
 
-Prints, for the largest real export in ../shared/fixtures/nsys and for an export with ~1 M kernels made
+Prints, for the largest real export in tests/data/nsys and for an export with ~1 M kernels made
 from it (a copy whose kernel and CUDA runtime rows are repeated with shifted times and correlation
 ids, so names, launch configs and the launch join stay real), the rows per second of `load_nsys`
 (all tables, wall clock and CPU seconds of all threads); then the rows per second of reading that
@@ -30,7 +30,7 @@ from kvtrace.ingest import nsys_read
 from kvtrace.ingest.nsys import SOURCES, align_nsys, load_nsys
 from kvtrace.queries import run_query
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "nsys"
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "data" / "nsys"
 KERNEL, RUNTIME = "CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_RUNTIME"
 KERNEL_COLUMNS = next(s.columns for s in SOURCES if s.table == KERNEL)
 THREADS = len(os.sched_getaffinity(0))  # DuckDB threads: the CPUs this process may use

@@ -1,6 +1,6 @@
 """Wall time of the demo workload recorded vs not recorded, side by side in one run (issue: target <= 1.10).
 
-Each round runs `python -m kvtrace.workload` twice, once plain and once under `kvtrace record` (the
+Each round runs `python -m kvtrace.demo.workload` twice, once plain and once under `kvtrace record` (the
 order alternates between rounds, so drift on this shared machine hits both alike). Two figures per run:
 the whole command (engine start included, what a user waits for) and the generation loop alone (the
 workload reports it; this is where the probes run). Ratios are of medians.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 def run_once(recorded: bool, model: str, workdir: Path, repeat: int, granularity: str, idx: int) -> tuple[float, float]:
     metrics = workdir / f"m-{idx}-{int(recorded)}.json"
-    workload = [sys.executable, "-m", "kvtrace.workload", "--model", model, "--repeat", str(repeat),
+    workload = [sys.executable, "-m", "kvtrace.demo.workload", "--model", model, "--repeat", str(repeat),
                 "--metrics-out", str(metrics)]
     cmd = workload
     if recorded:
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=4, help="job sets per run (more = longer generation phase)")
     ap.add_argument("--granularity", default="timing", choices=["off", "timing", "blocks"])
     args = ap.parse_args()
-    from kvtrace.model import ensure_tiny_model
+    from kvtrace.demo.model import ensure_tiny_model
 
     model = str(ensure_tiny_model())
     results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}

@@ -4,7 +4,7 @@
     python bench/bench_queries.py --events 1000000   # a smaller session
     python bench/bench_queries.py --threads 1        # DuckDB on one thread (CPU cost, load-independent)
 
-The session comes from `kvtrace.synth` (exactly N shard rows of realistic shape: steps, scheduler rows,
+The session comes from `kvtrace.testing.synth` (exactly N shard rows of realistic shape: steps, scheduler rows,
 block events, prefix lookups, preemptions, per-layer timings and a sampled layer's KV access records),
 ingested with `kvtrace ingest`'s own loader, plus what the generator does not write: connector transfers
 (a save per step, a per-layer load for every resumed preemption) and pins (a TTL pin per finished
@@ -37,8 +37,9 @@ LIMIT_S = 1.0
 def build(db: Path, events: int, seed: int) -> None:
     import duckdb
 
-    from kvtrace.ingest.duckdb_load import create_tables, ingest_session
-    from kvtrace.synth import generate
+    from kvtrace.ingest.load import ingest_session
+    from kvtrace.store.layout import create_tables
+    from kvtrace.testing.synth import generate
 
     session_dir = db.with_suffix("")
     t0 = time.monotonic()

@@ -1,6 +1,6 @@
 """Scale: synthetic sessions of 1 M and 10 M events through ingest, Parquet export and the canned queries.
 
-For each size: generate the session (`kvtrace.synth`, the recorder's shard writer), ingest it in a
+For each size: generate the session (`kvtrace.testing.synth`, the recorder's shard writer), ingest it in a
 child process (its peak RSS and CPU time are the child's own), `--repeat` times (3), and report the
 median run's throughput (events = shard rows, as `kvtrace ingest` counts them) with the range, the
 DuckDB file's size and bytes per event, and the Parquet dataset's size, beside DuckDB's own floor on
@@ -37,7 +37,7 @@ import json, os, resource, sys, time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as `kvtrace ingest` sets them
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 from kvtrace.ingest import ingest
-from kvtrace.ingest.duckdb_load import settle_pyarrow_without_pandas
+from kvtrace.ingest.arrow_setup import settle_pyarrow_without_pandas
 t0 = time.perf_counter()
 settle_pyarrow_without_pandas()  # as `kvtrace ingest` does
 [report] = ingest([sys.argv[1]], sys.argv[2])
@@ -57,8 +57,8 @@ print(json.dumps({"events": report["events"], "seconds": report["seconds"], "eve
 BARE_CHILD = r"""
 import json, sys, time
 import duckdb, pyarrow as pa
-from kvtrace.ingest.shards import list_shards
-from kvtrace.session import proc_dirs
+from kvtrace.format.shards import list_shards
+from kvtrace.format.session import proc_dirs
 t0 = time.perf_counter()
 tables = {}
 for proc in proc_dirs(sys.argv[1]):
@@ -86,7 +86,7 @@ import json, os, resource, sys, time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 from kvtrace.ingest import ingest
-from kvtrace.ingest.duckdb_load import settle_pyarrow_without_pandas
+from kvtrace.ingest.arrow_setup import settle_pyarrow_without_pandas
 settle_pyarrow_without_pandas()
 t0 = time.perf_counter()
 reports = ingest(sys.argv[2:], sys.argv[1])
@@ -99,7 +99,7 @@ print(json.dumps({"sessions": len(reports), "events": sum(r["events"] for r in r
 
 EXPORT_CHILD = r"""
 import json, resource, sys, time
-from kvtrace.dataset import export_parquet
+from kvtrace.export.dataset import export_parquet
 t0 = time.perf_counter()
 r = export_parquet([sys.argv[1]], sys.argv[2])
 ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -126,7 +126,7 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def run_size(events: int, root: Path, seed: int, repeat: int) -> dict:
-    from kvtrace import synth
+    from kvtrace.testing import synth
 
     session, db, ds = root / f"s{events}", root / f"s{events}.duckdb", root / f"s{events}-parquet"
     for p in (session, ds):
@@ -156,7 +156,7 @@ def run_size(events: int, root: Path, seed: int, repeat: int) -> dict:
 
 def run_many(count: int, events: int, root: Path, seed: int, repeat: int) -> dict:
     """`count` sessions of `events` events each, ingested in one call, `repeat` times; the median run."""
-    from kvtrace import synth
+    from kvtrace.testing import synth
 
     sessions = []
     for i in range(count):
@@ -178,8 +178,8 @@ def run_many(count: int, events: int, root: Path, seed: int, repeat: int) -> dic
 def time_queries(db: Path, timeout: float) -> list[dict]:
     """Every canned query with default parameters, each stopped after `timeout` seconds."""
     from kvtrace.errors import KvtraceError
-    from kvtrace.ingest.duckdb_load import open_db
     from kvtrace.queries import all_queries, run_sql
+    from kvtrace.store.db import open_db
 
     con = open_db(db, read_only=True)
     out = []

@@ -1,11 +1,11 @@
 """How big and how fast the HTML viewer is for a 1 M-event session.
 
-    python bench/bench_viewer.py                      # 1,000,000 events, kvtrace.synth when present
+    python bench/bench_viewer.py                      # 1,000,000 events, kvtrace.testing.synth when present
     python bench/bench_viewer.py --generator sql      # rows INSERTed with DuckDB range() instead
     python bench/bench_viewer.py --events 200000 --check
 
-Makes the session database (kvtrace.synth shards + ingest, or SQL straight into the schema), exports
-the viewer (`kvtrace.viewer.export_html`, default --max-events), and opens it from disk in headless
+Makes the session database (kvtrace.testing.synth shards + ingest, or SQL straight into the schema), exports
+the viewer (`kvtrace.export.viewer.export_html`, default --max-events), and opens it from disk in headless
 Chromium (Debian's chromium via Python playwright). Prints the export time, the file size and the time
 to the first view: from navigation start to the end of the viewer's first draw (the page's
 `performance.now()` when it is ready), and the wall time of the whole load seen from Python. Then each
@@ -32,9 +32,9 @@ EVENT_TABLES = ("steps", "step_requests", "request_events", "block_events", "pre
 
 
 def make_synth(events: int, work: Path) -> Path:
-    """kvtrace.synth's shards (the real shard format), ingested like a recording."""
+    """kvtrace.testing.synth's shards (the real shard format), ingested like a recording."""
     session, db = work / "synth", work / "synth.duckdb"
-    subprocess.run([sys.executable, "-m", "kvtrace.synth", "-o", str(session), "--events", str(events),
+    subprocess.run([sys.executable, "-m", "kvtrace.testing.synth", "-o", str(session), "--events", str(events),
                     "--seed", "1"], check=True, capture_output=True)
     subprocess.run([sys.executable, "-m", "kvtrace", "ingest", str(session), "-o", str(db)], check=True,
                    capture_output=True)
@@ -44,7 +44,8 @@ def make_synth(events: int, work: Path) -> Path:
 def make_sql(events: int, work: Path) -> Path:
     """Rows INSERTed straight into the ingest schema with range(): 32 lanes of requests of 200 steps,
     4 layers of kv_access (one write and several reads per layer per running request) filling the rest."""
-    from kvtrace.ingest.duckdb_load import create_tables, insert_select
+    from kvtrace.store.keyed import insert_select
+    from kvtrace.store.layout import create_tables
 
     db = work / "sql.duckdb"
     con = duckdb.connect(str(db))
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--generator", choices=["auto", "synth", "sql"], default="auto",
-                    help="auto: kvtrace.synth when it is installed, else sql")
+                    help="auto: kvtrace.testing.synth when it is installed, else sql")
     ap.add_argument("--max-events", type=int, default=1_000_000, help="export_html's budget (the CLI default)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--check", action="store_true", help=f"exit 1 past {MAX_MB:g} MB or {MAX_FIRST_VIEW_S:g} s")
@@ -152,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     gen = args.generator
     if gen == "auto":
         try:
-            import kvtrace.synth  # noqa: F401
+            import kvtrace.testing.synth  # noqa: F401
             gen = "synth"
         except ImportError:
             gen = "sql"
-    from kvtrace.viewer import export_html
+    from kvtrace.export.viewer import export_html
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)

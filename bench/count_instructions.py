@@ -8,7 +8,7 @@ On this project's shared 2-core machines, wall and CPU times of a round move by 
 run to run, more than most single changes to the probes; instruction counts much less (the same round
 gives the same count to ~0.2%, nearly all of it in two functions: pymalloc's `_PyObject_Free`, whose
 arena releases moved 12.5 M between two runs, and `set_lookkey`, sets hashed by address, ~2 M; compare
-a change function by function without those, docs/performance.md "Fifteenth session"). Each mode runs one uninstrumented warm-up round, then one round with
+a change function by function without those, docs/performance.md, "Host probes"). Each mode runs one uninstrumented warm-up round, then one round with
 instrumentation switched on around it (`callgrind_control -i on|off`, then a dump), and prints the
 instructions of every thread of the process (the probes, and the recorder's writer: each on-round ends
 with a flush inside the counted window, as in bench_host_probes).
@@ -20,10 +20,10 @@ those intervals by the same factor, so each happens about as often per round as 
 
 Where the difference is: `callgrind_annotate --auto=no OUT.2-01` against `OUT.1-01` (mode 2 against
 mode 1, the scheduler's thread), function by function. Valgrind's `--cache-sim=yes` / `--branch-sim=yes`
-add cache misses and branch mispredictions per function (docs/performance.md, "Tenth session").
+add cache misses and branch mispredictions per function (docs/performance.md, "Host probes").
 
 Cache misses: the probes' extra *time* is ~3x what their instructions predict, and what accounts for it
-is memory, not instructions (docs/performance.md, "Thirteenth session"). Add a cache model whose last
+is memory, not instructions (docs/performance.md, "Host probes"). Add a cache model whose last
 level is the core's own L2 (1 MB here, `lscpu -C`), so that its misses are the accesses that go to the
 shared L3 or beyond, and this script prints them per mode too:
 
@@ -33,7 +33,7 @@ shared L3 or beyond, and this script prints them per mode too:
 `callgrind_annotate --show=DLmr,DLmw,ILmr --sort=DLmr` then lists them by function. The simulated
 misses of the same round move by ~100 k (~4%) from run to run (the memory layout differs), so the
 difference of two modes moves by 100-200 k: compare changes per function (`RowLog_append`'s misses, say),
-not by the totals (docs/performance.md, "Fourteenth session").
+not by the totals (docs/performance.md, "Host probes").
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="valgrind's --callgrind-out-file, with %%p written {pid} (to read the dumps back)")
     args = ap.parse_args(argv)
 
-    from kvtrace.model import ensure_tiny_model
-    from kvtrace.probes import columns
-    from kvtrace.recorder import FLUSH_INTERVAL_S, Recorder
+    from kvtrace.demo.model import ensure_tiny_model
+    from kvtrace.record import buffers
+    from kvtrace.record.recorder import FLUSH_INTERVAL_S, Recorder
 
-    columns.FLUSH_NS = int(columns.FLUSH_NS * args.slowdown)
+    buffers.FLUSH_NS = int(buffers.FLUSH_NS * args.slowdown)
 
     model = str(ensure_tiny_model())
     cfg = host.DrivenConfig(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=2048)

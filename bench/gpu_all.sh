@@ -15,15 +15,12 @@ PY=${PYTHON:-python3}
 STAGES=${*:-env tests memcheck racecheck synccheck bench}
 declare -A RC
 
-# kvtrace.probes must import: an offline editable install, else a path shim (kvtrace/ + probes/ as kvtrace.probes).
-if ! $PY -c "import kvtrace.probes.kv_ring" 2>/dev/null; then
+# kvtrace must import: an offline editable install, else the source tree on PYTHONPATH (src/ is the package's
+# root; without the install the native row logs are not built and the Python ones are used).
+if ! $PY -c "import kvtrace.probes.kv_access.ring" 2>/dev/null; then
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || true
-    if ! $PY -c "import kvtrace.probes.kv_ring" 2>/dev/null; then
-        SHIM=/tmp/kvtrace-shim
-        mkdir -p "$SHIM/kvtrace"
-        for f in kvtrace/*; do ln -sfn "$PWD/$f" "$SHIM/kvtrace/"; done
-        ln -sfn "$PWD/probes" "$SHIM/kvtrace/probes"
-        export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+    if ! $PY -c "import kvtrace.probes.kv_access.ring" 2>/dev/null; then
+        export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     fi
 fi
 
@@ -44,7 +41,7 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"cupy\", cupy
 triton.__version__, torch.cuda.get_device_name())'; $PY -c 'import flash_attn; print(\"flash_attn\", \
 flash_attn.__version__)' || echo 'flash_attn: not installed'; which compute-sanitizer nvcc" ;;
     tests)
-        run tests 300 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu tests/test_kv_ring.py ;;
+        run tests 300 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu tests/unit/probes/test_kv_ring.py ;;
     memcheck | racecheck | synccheck)
         # No caching allocator: every tensor is its own allocation, so an overrun is caught, not absorbed.
         run "$stage" 240 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$stage" \

@@ -42,7 +42,8 @@ def _timed(label: str, fn):
 def wrap_handlers() -> None:
     """Replace the handlers with timed versions (class attributes; module functions the handlers call by
     their global name)."""
-    from kvtrace.probes import columns, kv_blocks, scheduler
+    from kvtrace.probes.vllm import kv_blocks, scheduler
+    from kvtrace.record import buffers
 
     methods = {
         scheduler.SchedulerProbe: ("on_schedule", "after_update", "on_preempt", "on_finished",
@@ -50,8 +51,8 @@ def wrap_handlers() -> None:
         kv_blocks.BlockPoolProbe: ("take",),
         # The logs in use (native or Python). Their timing wrapper is one more frame between the pool
         # wrapper and the log, so requests are misnamed here: costs only, not rows.
-        type(columns.block_log()): ("alloc", "evict", "free", "touch", "cache", "take"),
-        type(columns.decode_log()): ("add", "take"),
+        type(buffers.block_log()): ("alloc", "evict", "free", "touch", "cache", "take"),
+        type(buffers.decode_log()): ("add", "take"),
     }
     for cls, names in methods.items():
         for name in names:
@@ -63,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds (after one warm-up)")
     args = ap.parse_args(argv)
 
-    from kvtrace.model import ensure_tiny_model
-    from kvtrace.recorder import Recorder
+    from kvtrace.demo.model import ensure_tiny_model
+    from kvtrace.record.recorder import Recorder
 
     model = str(ensure_tiny_model())
     cfg = host.DrivenConfig(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=2048)

@@ -3,10 +3,10 @@
     python tests/data/make_bad_corpus.py          # rewrites tests/data/bad/ (deterministic)
 
 Every input is small and made the way the real thing is made: shards by kvtrace's own `ShardWriter`,
-Nsight exports from a real export in ../shared/fixtures/nsys (cut down to a few rows per table, nsys's
+Nsight exports from a real export in tests/data/nsys (cut down to a few rows per table, nsys's
 own CREATE TABLE statements kept), DuckDB files by DuckDB. `CASES` below says, for each input, which
-command reads it and what the one-line error must mention; tests/test_reliability_bad_input.py runs
-them. The outputs are checked in, so the tests do not need the shared fixtures.
+command reads it and what the one-line error must mention; tests/reliability/test_bad_input.py runs
+them. The outputs are checked in.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BAD = HERE / "bad"
 REPO = HERE.parents[1]
-NSYS_BASE = REPO.parent / "shared" / "fixtures" / "nsys" / "fuser__report1_2024-12.sqlite"
+NSYS_BASE = HERE / "nsys" / "fuser__report1_2024-12.sqlite"
 SESSION_ID = "20261122T120000-badc0rp5"
 
 sys.path.insert(0, str(REPO))
@@ -69,7 +69,7 @@ ACCEPTED = [
 
 def manifest(**over) -> dict:
     doc = {"schema_version": 1, "session_id": SESSION_ID, "kvtrace_version": "0.1.0", "vllm_version": "0.32.0",
-           "command": ["python", "-m", "kvtrace.workload"], "options": {}, "status": "complete", "exit_code": 0,
+           "command": ["python", "-m", "kvtrace.demo.workload"], "options": {}, "status": "complete", "exit_code": 0,
            "clock": {"start_monotonic_ns": 1_000_000_000, "start_utc_ns": 1_795_000_000_000_000_000}}
     doc.update(over)
     return doc
@@ -86,7 +86,7 @@ def event_rows(n: int) -> list[tuple]:
 
 def write_shard(proc_dir: Path, table: str, batches: list[list[tuple]], close: bool = True) -> Path:
     """A shard written by kvtrace's own writer: returns its path (.arrows, or .arrows.partial if open)."""
-    from kvtrace.recorder import ShardWriter, rows_to_batch
+    from kvtrace.format.shards import ShardWriter, rows_to_batch
 
     w = ShardWriter(proc_dir, table, rotate_bytes=1 << 30, rotate_s=1e9)
     for rows in batches:
@@ -115,14 +115,14 @@ def session(name: str, doc: dict | None = None, proc: dict | None = None) -> Pat
 def make_sessions() -> None:
     import pyarrow as pa
 
-    from kvtrace import schema
+    from kvtrace.format import schema
 
     pdir = session("future_schema", manifest(schema_version=99))
     write_shard(pdir, "steps", [step_rows(3)])
 
     session("manifest_not_json").parent.parent.joinpath("manifest.json").write_text('{"schema_version": 1, "sess')
     session("manifest_non_utf8").parent.parent.joinpath("manifest.json").write_bytes(
-        json.dumps(manifest()).encode().replace(b"kvtrace.workload", b"kvtrace.\xff\xfeworkload"))
+        json.dumps(manifest()).encode().replace(b"kvtrace.demo.workload", b"kvtrace.\xff\xfeworkload"))
     session("manifest_no_version").parent.parent.joinpath("manifest.json").write_text('["not", "a", "manifest"]')
 
     # A closed shard cut in the middle of its second batch (a copy that stopped half-way).
@@ -155,7 +155,7 @@ def make_sessions() -> None:
     pdir = session("shard_future_schema", manifest())
     newer = schema.arrow_schema("steps").with_metadata({b"kvtrace.table": b"steps",
                                                         b"kvtrace.schema_version": b"99"})
-    from kvtrace.recorder import rows_to_batch
+    from kvtrace.format.shards import rows_to_batch
 
     batch = rows_to_batch("steps", step_rows(2)).replace_schema_metadata(newer.metadata)
     with pa.OSFile(str(pdir / "steps.00000.arrows"), "wb") as f, pa.ipc.new_stream(f, newer) as w:

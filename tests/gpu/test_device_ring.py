@@ -7,10 +7,8 @@ Needs CUDA and CuPy; skipped otherwise. Run on a GPU machine: `python -m pytest 
 from __future__ import annotations
 
 import random
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -26,15 +24,15 @@ except Exception as exc:
     pytest.skip(f"CuPy is not importable ({exc}); install cupy-cuda12x/13x for the device ring",
                 allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_kv_ring import (  # noqa: E402
+from kvtrace.probes.kv_access import make_ring
+from kvtrace.probes.kv_access.ring import CPUKVAccessRing  # noqa: E402
+from kvtrace.record.recorder import MemoryRecorder
+from tests.helpers.ring_metadata import (  # noqa: E402
     chaotic_metadata,
     expected_rows,
     make_metadata,
     strip_ts,
 )
-
-from kvtrace.probes.kv_ring import CPUKVAccessRing, MemoryRecorder, make_ring  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda", torch.cuda.current_device())

@@ -1,6 +1,6 @@
 """Version drift on purpose: alter vLLM in a child process before kvtrace's plugin checks its targets.
 
-Put this directory on the recorded command's PYTHONPATH (tests/test_reliability_drift.py does). Python
+Put this directory on the recorded command's PYTHONPATH (tests/reliability/test_drift.py does). Python
 imports `sitecustomize` at start-up in every process, vLLM's spawned EngineCore and workers included; it
 does nothing unless KVTRACE_TEST_DRIFT names an alteration:
 

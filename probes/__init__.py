@@ -1,1 +1,0 @@
-"""Probes: patches installed into vLLM processes through its general-plugin entry point."""

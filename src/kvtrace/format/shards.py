@@ -1,0 +1,388 @@
+"""Shard files: a session's rows on disk, one Arrow IPC stream per table and process, written by the
+recorder (`ShardWriter`) and read by ingest (`list_shards`, `read_shard`).
+
+A shard is an Arrow IPC stream. While written it is `<table>.<seq>.arrows.partial`; closing writes the
+end-of-stream marker and renames it `.arrows`. Every batch goes out in one `write()`, so a killed
+process leaves whole batches and at most a detectable cut tail.
+
+Reading: a closed shard (`.arrows`) must read to its end-of-stream marker; a shard that was still open
+(`.arrows.partial`, its process was killed or is still running) is read up to its last complete batch
+and the bytes after it are reported as cut, never an error; an open shard is reported even when not cut
+(`ShardRead.problems`, then `ingest_issues`), since rows its process had not flushed are missing, unless
+the process said it flushed everything before it was stopped. Anything else that does not read (a
+closed shard cut short or without its end-of-stream marker, flipped bits in the framing, values that are
+not valid Arrow such as non-UTF-8 strings, another table's schema, not Arrow at all) is a
+`KvtraceError` naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvtrace.errors import KvtraceError
+from kvtrace.format import schema
+from kvtrace.format.session import read_proc
+
+EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC end-of-stream marker, written when a shard closes
+
+
+# ---- writing (in the recording processes) --------------------------------------------------------
+OPEN_SUFFIX = ".partial"  # a shard still being written; renamed to `.arrows` when closed
+SHARD_SUFFIX = ".arrows"
+
+
+class ShardWriter:
+    """Appends RecordBatches of one table to rotating Arrow IPC stream files in one directory."""
+
+    def __init__(self, directory: Path, table: str, rotate_bytes: int, rotate_s: float):
+        self.directory = directory
+        self.table = table
+        self.schema = schema.arrow_schema(table)
+        self.rotate_bytes = rotate_bytes
+        self.rotate_s = rotate_s
+        self.seq = 0
+        self.closed_shards: list[tuple[Path, int]] = []  # (path, rows), oldest first
+        self._file = None
+        self.broken = False
+        self._path: Path | None = None
+        self._bytes = 0
+        self._rows = 0
+        self._opened_at = 0.0
+        self.bytes_total = 0  # bytes written by this writer, all shards (for the max-size forecast)
+
+    @property
+    def open_rows(self) -> int:
+        """Rows in the shard being written (0 when none is open)."""
+        return self._rows if self._file is not None else 0
+
+    def rotate_if_old(self) -> None:
+        """Close the open shard once it is `rotate_s` old even when no batch comes to trigger it, so a
+        quiet table does not keep one `.partial` file open for the whole run."""
+        if self._file is not None and time.monotonic() - self._opened_at >= self.rotate_s:
+            self.close()
+
+    def _open(self) -> None:
+        self._path = self.directory / f"{self.table}.{self.seq:05d}{SHARD_SUFFIX}{OPEN_SUFFIX}"
+        self.seq += 1
+        # Unbuffered: a failed write must not leave bytes in a Python buffer that a later flush or
+        # close() would append after our end-of-stream marker.
+        self._file = open(self._path, "wb", buffering=0)
+        self._bytes = 0
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, self.schema):
+            pass  # only the schema message; the end-of-stream marker is cut off below
+        header = sink.getvalue().to_pybytes()[:-8]
+        self._write_all(header)
+        self._bytes, self._rows, self._opened_at = len(header), 0, time.monotonic()
+        self.bytes_total += len(header)
+
+    def write(self, batch: pa.RecordBatch) -> int:
+        """Append one batch; returns the bytes written. Raises OSError on disk trouble."""
+        if self._file is None:
+            self._open()
+        if self.broken:
+            raise OSError(f"{self._path}: shard left incomplete by an earlier write error")
+        payload = _batch_message(batch)
+        self._write_all(payload)  # whole batches only: a kill leaves whole batches or a detectable tail
+        self._bytes += payload.size
+        self.bytes_total += payload.size
+        self._rows += batch.num_rows
+        if self._bytes >= self.rotate_bytes or time.monotonic() - self._opened_at >= self.rotate_s:
+            self.close()
+        return payload.size
+
+    def _write_all(self, data: bytes | pa.Buffer) -> None:
+        """Write all of `data` or nothing: on an error (disk full) cut the file back to where it was."""
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._file.write(view):]
+        except OSError:
+            try:
+                self._file.truncate(self._bytes)
+                self._file.seek(self._bytes)
+            except OSError:
+                self.broken = True  # a cut tail stays: close() leaves the shard `.partial`
+            raise
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        if self.broken:  # never seal a shard with a torn batch in it: readers stop at its last whole one
+            self._file.close()
+            self._file = None
+            return
+        try:
+            self._write_all(b"\xff\xff\xff\xff\x00\x00\x00\x00")  # Arrow end-of-stream marker
+        except OSError:  # no room for the marker: the shard stays `.partial`, whole up to its last batch
+            self._file.close()
+            self._file = None
+            return
+        self.bytes_total += 8
+        self._file.close()
+        final = self._path.with_name(self._path.name[: -len(OPEN_SUFFIX)])
+        os.replace(self._path, final)
+        self.closed_shards.append((final, self._rows))
+        self._file = None
+
+
+# Arrow's memory for the rows the recorder converts and the IPC bytes it writes: the C library's
+# malloc, not Arrow's default pool (mimalloc). mimalloc hands a flush's buffers (~1 MB of
+# step_requests every 0.5 s, as it flushed then) back to the OS and takes fresh pages at the next, which the kernel must
+# zero, often as 2 MB huge pages (and compact memory for them first): perf measured ~0.8% of a
+# scheduling step in that, and up to 30 ms of system time a round (bench_host_probes, 2026-11-24,
+# docs/performance.md). malloc keeps and reuses them.
+WRITE_POOL = pa.system_memory_pool()
+
+
+def _batch_message(batch: pa.RecordBatch) -> pa.Buffer:
+    """The IPC bytes of one record batch as it stands in a stream (encapsulated message), in Arrow's
+    own buffer: written from there, not copied into a Python bytes first."""
+    return batch.serialize(memory_pool=WRITE_POOL)
+
+
+def rows_to_batch(table: str, rows: list[tuple]) -> pa.RecordBatch:
+    """Transpose row tuples into a RecordBatch of `table`'s schema."""
+    sch = schema.arrow_schema(table)
+    cols = list(zip(*rows, strict=False)) if rows else [[] for _ in sch]
+    arrays = [pa.array(col, type=field.type, memory_pool=WRITE_POOL) for col, field in zip(cols, sch, strict=False)]
+    return pa.RecordBatch.from_arrays(arrays, schema=sch)
+
+
+# ---- reading (in ingest) -------------------------------------------------------------------------
+@dataclass
+class Shard:
+    path: Path
+    table: str
+    open: bool  # still being written when read (or its process was killed)
+    # The writing process's proc.json status: "flushed" means it wrote everything it held when
+    # `kvtrace record` asked, just before vLLM stopped it, so its open shards miss nothing.
+    proc_status: str | None = None
+
+
+@dataclass
+class ShardRead:
+    """What reading one shard found, beside its batches."""
+
+    rows: int = 0
+    batches: int = 0
+    bytes_cut: int = 0  # bytes after the last complete batch of an open shard
+    problems: list[str] = field(default_factory=list)
+
+
+def list_shards(proc_dir: Path, status: str | None = None) -> list[Shard]:
+    """The shards of one process folder, in table then sequence order; unknown files are ignored.
+    `status` is the process's proc.json status, read here when not given (format.session.ProcDir has it)."""
+    shards = []
+    if status is None:
+        status = read_proc(proc_dir).get("status")
+    for name in sorted(os.listdir(proc_dir)):
+        is_open = name.endswith(SHARD_SUFFIX + OPEN_SUFFIX)
+        if not (is_open or name.endswith(SHARD_SUFFIX)):
+            continue
+        table = name.split(".", 1)[0]
+        if table not in schema.SHARD_TABLES:
+            raise KvtraceError(f"{proc_dir / name}: shard of unknown table {table!r}")
+        shards.append(Shard(proc_dir / name, table, is_open, status))
+    return shards
+
+
+def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
+    """Yield the shard's batches, checked against its table's schema; fills `result` as it goes."""
+    path = shard.path
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        closed = path.with_name(path.name[: -len(OPEN_SUFFIX)]) if shard.open else None
+        if closed is None or not closed.exists():
+            raise KvtraceError(f"{path}: shard vanished while the session was being read") from None
+        # Its process closed it (renamed .partial -> .arrows) between listing and reading: read that.
+        shard.path, shard.open = closed, False
+        yield from read_shard(shard, result)
+        return
+    except OSError as exc:
+        raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
+    if not path.is_file():
+        raise KvtraceError(f"{path}: not a file (expected an Arrow IPC shard)")
+    if size == 0:
+        if shard.open:  # created, killed before the header was flushed
+            if shard.proc_status != "flushed":
+                result.problems.append(f"{path}: not closed and empty (its process stopped before writing to it)")
+            return
+        raise KvtraceError(f"{path}: empty shard file")
+    expected = schema.arrow_schema(shard.table)
+    try:
+        # A closed shard is mapped: its batches are read in place (zero-copy), which halves the cost of
+        # reading a session. One still being written is read through a file, whose size may change.
+        f = open(path, "rb") if shard.open else pa.memory_map(str(path))
+    except OSError as exc:
+        raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
+    with f:
+        try:
+            reader = pa.ipc.open_stream(f)
+        except (pa.ArrowException, OSError) as exc:  # ArrowInvalid, or NotImplemented for flipped type ids
+            if shard.open and size < 4096:
+                result.bytes_cut = size
+                result.problems.append(f"{path}: header cut ({size} bytes)")
+                return
+            raise KvtraceError(f"{path}: not an Arrow IPC stream ({_short(exc)})") from None
+        try:
+            _check_schema(path, reader.schema, shard.table, expected)
+        except UnicodeDecodeError:
+            raise KvtraceError(f"{path}: column names are not UTF-8; not a {shard.table} shard") from None
+        good_end = f.tell()
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+                if shard.open:
+                    result.bytes_cut = size - good_end
+                    result.problems.append(
+                        f"{path}: last batch cut ({result.bytes_cut} bytes after row {result.rows})")
+                    return
+                raise KvtraceError(f"{path}: corrupt shard after row {result.rows} ({_short(exc)})") from None
+            try:
+                # IPC reading checks the framing, not the values: bad offsets or non-UTF-8 strings
+                # (flipped bits, another writer) would fail later inside DuckDB, or read out of bounds.
+                batch.validate(full=True)
+            except (pa.ArrowInvalid, pa.ArrowException) as exc:
+                raise KvtraceError(f"{path}: invalid data in the batch after row {result.rows} "
+                                   f"({_short(exc)})") from None
+            good_end = f.tell()
+            result.rows += batch.num_rows
+            result.batches += 1
+            yield batch
+        f.seek(good_end)
+        tail = f.read(len(EOS) + 1)
+        if shard.open:
+            if tail and tail != EOS:  # an open shard may end with the marker (closed, not yet renamed)
+                result.bytes_cut = size - good_end
+                result.problems.append(
+                    f"{path}: last batch cut ({result.bytes_cut} bytes after row {result.rows})")
+            elif not tail and shard.proc_status != "flushed":
+                # Whole batches only, but never closed: its process was killed (or is still running), so
+                # rows it had not flushed yet are missing. Said here, as nothing else in the files says it.
+                result.problems.append(f"{path}: not closed (its process was killed or is still running); "
+                                       f"read to its last whole batch, {result.rows} rows")
+        elif tail != EOS:
+            # Closing writes the end-of-stream marker; without it batches after row N may be missing (a
+            # copy cut at a batch boundary); bytes after it were not written by kvtrace.
+            what = ("no end-of-stream marker" if not tail else
+                    f"{size - good_end - len(EOS)} unexpected bytes after the end-of-stream marker"
+                    if tail.startswith(EOS) else f"{size - good_end} bytes that are not a batch")
+            raise KvtraceError(f"{path}: corrupt shard: {what} after row {result.rows} (a closed shard "
+                               f"was cut short or written to by something else)")
+
+
+def loads_into(table: str) -> str:
+    """The table a shard table's rows are stored in: itself, or for a run table (schema.RUN_TABLES) the
+    table it expands into."""
+    run = schema.RUN_TABLES.get(table)
+    return run[0] if run is not None else table
+
+
+# A run longer than this is not something kvtrace wrote (a DecodeLog hands its runs over at least every
+# second, record/buffers.py FLUSH_NS), and expanding it would take that many rows' memory: refused as a damaged shard.
+MAX_RUN_STEPS = 1 << 24
+
+
+def expand_decode_runs(batch: pa.RecordBatch, where: object = "decode_runs") -> pa.RecordBatch:
+    """The step_requests rows a decode_runs batch stands for (schema.RUN_TABLES): row i of a run is step
+    `step + i`, `tokens` tokens, computed_before `computed_before + i * tokens`, new_blocks `new_blocks`
+    for i = 0 and 0 after, phase decode, chunk_index -1, kind running. Runs come out in their order, each
+    run's rows in step order. `where` names the shard in the error a damaged batch gets."""
+    nulls = [f.name for f, c in zip(batch.schema, batch.columns) if c.null_count]
+    if nulls:  # the log writes none: a null would expand into rows of made-up values
+        raise KvtraceError(f"{where}: decode_runs batch with nulls in {', '.join(nulls)}; not a shard "
+                           f"kvtrace wrote")
+    steps = batch.column("steps").to_numpy(zero_copy_only=False).astype(np.int64)
+    if batch.num_rows and (steps.min() < 1 or steps.max() > MAX_RUN_STEPS):
+        raise KvtraceError(f"{where}: decode run of {int(steps.min() if steps.min() < 1 else steps.max())} "
+                           f"steps; not a shard kvtrace wrote")
+    total = int(steps.sum())
+    run = np.repeat(np.arange(batch.num_rows), steps)
+    i = np.arange(total) - np.repeat(np.cumsum(steps) - steps, steps)  # the row's place in its run
+
+    def column(name: str) -> np.ndarray:
+        return batch.column(name).to_numpy(zero_copy_only=False)[run]
+
+    tokens = column("tokens").astype(np.int64)
+    into = schema.arrow_schema("step_requests")
+    try:
+        arrays = {
+            "step": pa.array(column("step") + i, pa.int64()),
+            "request_id": batch.column("request_id").take(pa.array(run)),
+            "tokens": pa.array(tokens, pa.int32()),
+            "phase": pa.repeat("decode", total),
+            "chunk_index": pa.array(np.full(total, -1, np.int32)),
+            "computed_before": pa.array(column("computed_before").astype(np.int64) + i * tokens, pa.int32()),
+            "new_blocks": pa.array(np.where(i == 0, column("new_blocks"), 0), pa.int32()),
+            "kind": pa.repeat("running", total),
+        }
+    except (pa.ArrowException, OverflowError, ValueError) as exc:  # computed_before past int32: damaged
+        raise KvtraceError(f"{where}: decode runs that do not expand ({_short(exc)}); not a shard kvtrace "
+                           f"wrote") from None
+    return pa.RecordBatch.from_arrays([arrays[f.name] for f in into], schema=into)
+
+
+EXPAND = {"decode_runs": expand_decode_runs}
+# How many rows a run table's batch stands for, without making them.
+EXPANDED_ROWS = {"decode_runs": lambda batch: int(pc.sum(batch.column("steps")).as_py() or 0)}
+
+
+def stored_rows(proc_dir: Path) -> dict[str, int]:
+    """Rows per table that ingest would store from one process folder's shards (a run table's counted
+    as the rows it expands into; block_events as calls, before unnesting)."""
+    out: dict[str, int] = {}
+    for shard in list_shards(proc_dir):
+        count = EXPANDED_ROWS.get(shard.table, lambda batch: batch.num_rows)
+        table = loads_into(shard.table)
+        out[table] = out.get(table, 0) + sum(count(b) for b in read_shard(shard, ShardRead()))
+    return out
+
+
+def loaded_batch(table: str, batch: pa.RecordBatch, where: object = "") -> pa.RecordBatch:
+    """A shard batch as the rows ingest stores: a run table's expanded, an older schema's padded."""
+    expand = EXPAND.get(table)
+    if expand is not None:
+        return expand(batch, where or table)
+    return pad_batch(batch, table)
+
+
+def _check_schema(path: Path, got: pa.Schema, table: str, expected: pa.Schema) -> None:
+    meta = got.metadata or {}
+    named = meta.get(b"kvtrace.table", b"").decode(errors="replace")
+    if named and named != table:
+        raise KvtraceError(f"{path}: holds table {named!r}, but its name says {table!r}")
+    version = meta.get(b"kvtrace.schema_version", b"0").decode(errors="replace")
+    if version.isdigit() and int(version) > schema.SCHEMA_VERSION:
+        raise KvtraceError(f"{path}: schema_version {version} is newer than this kvtrace reads "
+                           f"({schema.SCHEMA_VERSION}); upgrade kvtrace")
+    # Older shards may lack trailing columns added since; every column they have must match.
+    for i, fld in enumerate(got):
+        if i >= len(expected) or expected[i].name != fld.name or not expected[i].type.equals(fld.type):
+            raise KvtraceError(f"{path}: column {i} is {fld.name}:{fld.type}, not what table "
+                               f"{table!r} has; not a {table} shard")
+
+
+def _short(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:160] if str(exc) else exc.__class__.__name__
+
+
+def pad_batch(batch: pa.RecordBatch, table: str) -> pa.RecordBatch:
+    """A batch of an older schema version, padded with null trailing columns."""
+    expected = schema.arrow_schema(table)
+    if batch.num_columns == len(expected):
+        return batch
+    arrays = list(batch.columns) + [pa.nulls(batch.num_rows, f.type) for f in expected][batch.num_columns:]
+    return pa.RecordBatch.from_arrays(arrays, schema=expected)

@@ -1,0 +1,91 @@
+"""What ingest derives from a session besides its shard rows: `requests`, `sessions`, `procs`, `probes`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import duckdb
+
+from kvtrace.errors import KvtraceError
+from kvtrace.format import schema
+from kvtrace.store.keyed import insert_rows
+from kvtrace.store.tables import sql_str
+
+
+def insert_proc(con: duckdb.DuckDBPyConnection, sid: str, proc: dict) -> None:
+    pid, role = int(proc.get("pid", 0) or 0), str(proc.get("role", "proc"))
+    con.execute("INSERT INTO procs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", [
+        sid, pid, int(proc.get("rank", 0) or 0), role, proc.get("host"), proc.get("status"),
+        json.dumps(proc.get("rows_written", {})), json.dumps(proc.get("dropped", {})),
+        proc.get("stopped_reason")])
+    insert_rows(con, "probes", [(sid, pid, role, name, st.get("status"), st.get("reason", ""))
+                                for name, st in (proc.get("probes") or {}).items() if isinstance(st, dict)])
+
+
+def insert_session(con, sid, session_dir, manifest, procs, status, job_pattern) -> None:
+    """The session's row; `procs` are the processes' proc.json as read already, `job_pattern` as
+    ingest_session resolved it (the user's, else the manifest's)."""
+    engine: dict[str, Any] = {}
+    for p in procs:
+        cfg = p.get("engine_config") or {}
+        if cfg:
+            engine = cfg
+            break
+    engine = manifest.get("engine_config") or engine
+    clock = manifest.get("clock", {})
+    command = manifest.get("command")
+    con.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [
+        sid, str(session_dir.resolve()), status, manifest.get("schema_version"),
+        manifest.get("kvtrace_version"), manifest.get("vllm_version"),
+        " ".join(command) if isinstance(command, list) else command,
+        clock.get("start_utc_ns"), clock.get("start_monotonic_ns"), clock.get("end_monotonic_ns"),
+        manifest.get("exit_code"), engine.get("block_size"), engine.get("num_kv_blocks"),
+        engine.get("max_num_seqs"), engine.get("max_num_batched_tokens"),
+        engine.get("enable_prefix_caching"), engine.get("enable_chunked_prefill"),
+        engine.get("kv_connector"), engine.get("model"), job_pattern,
+        json.dumps(manifest, default=str), time.time_ns()])
+
+
+def derive_requests(con: duckdb.DuckDBPyConnection, sid: str, job_pattern: str | None) -> None:
+    """One row per request from its lifecycle events; job/turn parsed from the id when a pattern is given.
+
+    The pattern is a regular expression with named groups `job` and `turn`, e.g.
+    `job(?P<job>\\d+)-turn(?P<turn>\\d+)`; groups are passed to DuckDB by index (RE2 syntax).
+    """
+    job = turn = "NULL"
+    if job_pattern:
+        groups = job_pattern_groups(job_pattern)
+        pat = sql_str(job_pattern)
+        if "job" in groups:
+            job = f"NULLIF(regexp_extract(request_id, '{pat}', {groups['job']}), '')"
+        if "turn" in groups:
+            turn = f"TRY_CAST(NULLIF(regexp_extract(request_id, '{pat}', {groups['turn']}), '') AS INTEGER)"
+    con.execute(f"""
+        INSERT INTO requests
+        SELECT session, any_value(rank), request_id, {job}, {turn},
+            min(ts_ns) FILTER (event = 'arrival'), min(ts_ns) FILTER (event = 'queued'),
+            min(ts_ns) FILTER (event = 'scheduled'), min(ts_ns) FILTER (event = 'first_token'),
+            max(ts_ns) FILTER (event = 'finished'), any_value(reason) FILTER (event = 'finished'),
+            any_value(value) FILTER (event = 'arrival'), max(value) FILTER (event = 'finished'),
+            any_value(value) FILTER (event = 'scheduled'),
+            count(*) FILTER (event = 'preempted'), count(*) FILTER (event = 'resumed')
+        FROM request_events WHERE session = ?
+        GROUP BY session, request_id""", [sid])
+
+
+def job_pattern_groups(job_pattern: str) -> dict[str, int]:
+    """The pattern's named groups; a one-line KvtraceError when it is not a regular expression."""
+    import re
+
+    try:
+        return dict(re.compile(job_pattern).groupindex)
+    except re.error as exc:
+        raise KvtraceError(f"--job-pattern {job_pattern!r}: not a regular expression ({exc})") from None
+
+
+def probe_report(con: duckdb.DuckDBPyConnection, sid: str) -> list[str]:
+    return [f"{probe} ({role} pid {pid}): {status}: {reason}" for pid, role, probe, status, reason in
+            con.execute("SELECT pid, role, probe, status, reason FROM probes WHERE session = ? AND "
+                        f"status NOT IN {schema.PROBE_FINE_SQL} ORDER BY probe, pid", [sid]).fetchall()]

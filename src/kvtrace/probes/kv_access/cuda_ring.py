@@ -1,0 +1,539 @@
+"""The KV access ring on a CUDA device: CuPy kernels on PyTorch's stream, CUDA-graph safe, no host sync.
+
+The API and the record semantics are those of `probes/kv_access/ring.py` (read its docstring first); this module
+only adds the device side. Importing it needs neither CuPy nor a GPU: CuPy is imported when a ring is made.
+
+Hot path (inference thread), per call:
+  - `record_layer`: one `kv_record` launch through `cupy.cuda.driver.launchKernel` with a prebuilt ctypes
+    argument struct (rebuilt only when the layer's tensors, shapes or decision change) on the raw pointer of
+    PyTorch's current stream. No CuPy array, no DLPack, no allocation, no sync. While a CUDA graph is
+    captured (overlap=True) the launch goes to a side stream forked from the current one and joined at the
+    next layer, so the replayed kernel runs beside attention rather than between two kernels.
+  - `begin_step`: one 1-thread `kv_set_state` launch (step id and sampling flag into device memory, head
+    snapshot), then `drain`: an event on the inference stream, a 64-byte copy of the snapshot into pinned
+    memory on a side stream that waits for that event, a queue put.
+Background thread: waits for the snapshot copy (polling the event, no spinning core), copies the records
+between the last drained position and the snapshot into pinned staging on a copy stream, reads the live head
+again to find records overwritten meanwhile, decodes with NumPy and hands the rows to the recorder; every
+`anchor_interval_s` it takes a clock anchor (a 1-thread kernel reading %globaltimer on a high-priority side
+stream, best of 5 round trips).
+
+The kernels are in `cuda_ring_kernels.cu` next to this file (package data: `*.cu`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import queue
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtrace.probes.kv_access.ring import REC_DTYPE, TIM_DTYPE, KVAccessRing
+
+KERNEL_SOURCE = Path(__file__).with_name("cuda_ring_kernels.cu")
+THREADS, WARPS = 256, 8  # must match THREADS in the .cu file
+SMEM_QSL = 2048          # must match the .cu file: dynamic shared memory of emit launches (ints)
+MAX_GRID = 1024          # per part; the kernel loops grid-stride past it
+
+# Control block words (int64), mirrored from cuda_ring_kernels.cu.
+ST_STEP, ST_ACTIVE, ST_SNAP_REC, ST_SNAP_TIM, ST_SNAP_SEQ = 0, 1, 2, 3, 4
+ST_REC_HEAD, ST_TIM_HEAD = 5, 6
+STATE_WORDS = 8   # one 64-byte line
+SNAP_WORDS = 8    # state[0:8]: what a drain copies (the snapshot words)
+LIVE_WORDS = 8    # state[0:8] again, after the ring copy: the live heads
+NSNAP = 64        # pinned snapshot slots (drains in flight)
+ANCHOR_TRIES = 5
+
+
+def cupy_available() -> tuple[bool, str]:
+    """(True, "") when CuPy imports; else (False, why)."""
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA library that does not load
+        return False, f"cupy is not importable: {exc}"
+    return True, ""
+
+
+class _RecordArgs(ctypes.Structure):
+    """Mirrors `struct RecordArgs` in cuda_ring_kernels.cu (same order, natural alignment)."""
+
+    _fields_ = [
+        ("state", ctypes.c_uint64), ("ring", ctypes.c_uint64), ("tring", ctypes.c_uint64),
+        ("slot_mapping", ctypes.c_uint64), ("block_table", ctypes.c_uint64), ("seq_lens", ctypes.c_uint64),
+        ("qsl", ctypes.c_uint64), ("bt_stride", ctypes.c_int64),
+        ("num_tokens", ctypes.c_int32), ("num_reqs", ctypes.c_int32), ("max_blocks", ctypes.c_int32),
+        ("block_size", ctypes.c_int32), ("layer", ctypes.c_int32), ("emit", ctypes.c_int32),
+        ("sm_is_64", ctypes.c_int32), ("read_blocks", ctypes.c_int32),
+        ("ring_mask", ctypes.c_uint32), ("ring_log2", ctypes.c_int32),
+        ("tring_mask", ctypes.c_uint32), ("tring_log2", ctypes.c_int32),
+    ]
+
+
+class _StateArgs(ctypes.Structure):
+    _fields_ = [("state", ctypes.c_uint64), ("step", ctypes.c_int64), ("active", ctypes.c_int32),
+                ("set", ctypes.c_int32)]
+
+
+assert ctypes.sizeof(_RecordArgs) == 112 and ctypes.sizeof(_StateArgs) == 24
+
+
+class _Launch:
+    """A prepared kernel launch: the argument struct and the kernelParams array pointing at it.
+
+    cuLaunchKernel copies the arguments at launch (and at capture), so one struct per layer is reused.
+    """
+
+    __slots__ = ("key", "args", "params", "params_addr", "grid", "smem")
+
+    def __init__(self, key: Any, args: ctypes.Structure, grid: int, smem: int = 0):
+        self.key, self.args, self.grid, self.smem = key, args, grid, smem
+        self.params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        self.params_addr = ctypes.addressof(self.params)
+
+
+_MODULES: dict[int, Any] = {}  # device index -> (RawModule, kernels, {name: CUfunction}); once per process
+_MODULES_LOCK = threading.Lock()
+
+
+def _load_kernels(device_index: int) -> dict[str, int]:
+    """Compile (NVRTC, cached on disk by CuPy) and load the kernels; returns CUfunction pointers."""
+    import cupy as cp
+
+    with _MODULES_LOCK:
+        if device_index not in _MODULES:
+            with cp.cuda.Device(device_index):  # CuPy loads per device: take the pointers inside
+                mod = cp.RawModule(code=KERNEL_SOURCE.read_text(), options=("-std=c++17", "-lineinfo"))
+                names = ("kv_record", "kv_set_state", "kv_read_timer", "kv_empty")
+                kernels = {n: mod.get_function(n) for n in names}
+                ptrs = {n: k.kernel.ptr for n, k in kernels.items()}  # compiles and loads now, never mid-capture
+            _MODULES[device_index] = (mod, kernels, ptrs)  # kept: unloading would free the functions
+        return _MODULES[device_index][2]
+
+
+class CudaKVAccessRing(KVAccessRing):
+    """The device ring (see the module docstrings). Construct through `kv_ring.make_ring`."""
+
+    backend = "cuda"
+
+    def __init__(self, device: Any = "cuda", anchor_interval_s: float = 10.0, **kw: Any):
+        super().__init__(**kw)
+        import cupy  # noqa: F401  (fail here, clearly, rather than at the first launch)
+        import torch
+        from cupy.cuda import driver
+
+        self._torch = torch
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("make the KV access ring before capturing CUDA graphs (it allocates and syncs)")
+        dev = torch.device(device)
+        self.index = dev.index if dev.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.index)
+        self.source = f"cuda:{self.index}"
+        self._launch_kernel = driver.launchKernel
+        try:  # the raw cudaStream_t of the current stream without building a Stream object (~0.2 us)
+            raw = torch._C._cuda_getCurrentRawStream
+            self._current_stream = lambda: raw(self.index)
+        except AttributeError:
+            self._current_stream = lambda: torch.cuda.current_stream(self.device).cuda_stream
+        self.anchor_interval_s = anchor_interval_s
+
+        with torch.cuda.device(self.index):
+            fn = _load_kernels(self.index)
+            self._f_record, self._f_state, self._f_timer = fn["kv_record"], fn["kv_set_state"], fn["kv_read_timer"]
+            # -1 everywhere: lap 0x7FFF, so a slot that was never written never passes for lap 0.
+            self._ring = torch.full((self.capacity * 8,), -1, dtype=torch.int32, device=self.device)
+            self._tring = torch.full((self.timing_capacity * 8,), -1, dtype=torch.int32, device=self.device)
+            self._state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=self.device)
+            self._timer = torch.zeros(1, dtype=torch.int64, device=self.device)
+            pin = {"pin_memory": True}
+            self._snap_host = torch.zeros((NSNAP, SNAP_WORDS), dtype=torch.int64, **pin)
+            self._live_host = torch.zeros(LIVE_WORDS, dtype=torch.int64, **pin)
+            self._stage = torch.empty(self.capacity * 8, dtype=torch.int32, **pin)
+            self._tstage = torch.empty(self.timing_capacity * 8, dtype=torch.int32, **pin)
+            self._timer_host = torch.zeros(1, dtype=torch.int64, **pin)
+            self._snap_stream = torch.cuda.Stream(self.device)
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._anchor_stream = torch.cuda.Stream(self.device, priority=-1)
+            self._snap_events = [torch.cuda.Event() for _ in range(NSNAP)]
+            self._done_events = [torch.cuda.Event() for _ in range(NSNAP)]
+            self._copy_event = torch.cuda.Event()
+            self._anchor_event = torch.cuda.Event()
+            self._side_stream = torch.cuda.Stream(self.device)  # overlap mode: record kernels in graphs
+            self._fork_event, self._join_event = torch.cuda.Event(), torch.cuda.Event()
+            for ev in self._snap_events + self._done_events + [self._fork_event, self._join_event]:
+                ev.record(self._snap_stream)  # creates the CUDA event, so its raw handle exists
+            torch.cuda.synchronize(self.device)  # construction only: the fills above are done before use
+        # The drain's hot path goes through CuPy's thin runtime bindings on raw handles (~0.5 us a call)
+        # rather than torch's Python wrappers (~5 us each).
+        from cupy.cuda import runtime
+
+        self._rt = runtime
+        self._snap_ev = [ev.cuda_event for ev in self._snap_events]
+        self._done_ev = [ev.cuda_event for ev in self._done_events]
+        self._snap_stream_ptr = self._snap_stream.cuda_stream
+        self._state_ptr = self._state.data_ptr()
+        self._snap_host_ptr = self._snap_host.data_ptr()
+        self._side_ptr = self._side_stream.cuda_stream
+        self._fork_ev, self._join_ev = self._fork_event.cuda_event, self._join_event.cuda_event
+        self._fork_pending = False  # a record kernel forked onto the side stream during a capture, unjoined
+        if self.overlap:
+            _install_capture_join()
+            _OVERLAP_RINGS.add(self)
+
+        self._state_args = _StateArgs(state=self._state.data_ptr())
+        self._state_launch = _Launch(None, self._state_args, 1)
+        self._timer_arg = ctypes.c_uint64(self._timer.data_ptr())
+        self._timer_params = (ctypes.c_void_p * 1)(ctypes.addressof(self._timer_arg))
+        self._launches: dict[int, _Launch] = {}
+        self._snap_count = 0
+        self._tail = self._ttail = 0
+        self._anchors: list[tuple[int, int]] = []  # (device_ns, monotonic_ns)
+        self._fit = (0, 0, 1.0)                    # (device ref, host ref, host ns per device ns)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._warned_capture = False
+        self._take_anchor()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ---- hot path ----------------------------------------------------------------------------------------
+    def _capturing(self) -> bool:  # ~1 us; asked only off the common path
+        return self._torch.cuda.is_current_stream_capturing()
+
+    def begin_step(self, step: int, record: bool = True) -> None:
+        self._set_step(step, record)
+        if self._capturing():
+            if not self._warned_capture:
+                self._warned_capture = True
+                self._warn("KVAccessRing.begin_step called during CUDA graph capture: ignored (it would "
+                           "freeze the step id into the graph); call it before each replay instead")
+            return
+        a = self._state_args
+        a.step, a.active, a.set = self.step, int(self.active), 1
+        self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
+                            self._state_launch.params_addr, 0)
+        if self.auto_drain:
+            self.drain()
+
+    def record_layer(self, layer_idx: int, slot_mapping, block_table, seq_lens, query_start_loc=None) -> None:
+        capturing = None
+        if not self.active:
+            capturing = self._capturing()
+            if not capturing:
+                return  # sampled out (in a graph the kernel reads the flag from device memory instead)
+        emit = self._wants_blocks(layer_idx, block_table)
+        key = (emit, slot_mapping.data_ptr(), slot_mapping.shape[0], slot_mapping.dtype, block_table.data_ptr(),
+               block_table.shape[0], block_table.shape[1], block_table.stride(0), seq_lens.data_ptr(),
+               seq_lens.shape[0], 0 if query_start_loc is None else query_start_loc.data_ptr())
+        launch = self._launches.get(layer_idx)
+        if launch is None or launch.key != key:
+            launch = self._prepare(layer_idx, emit, key, slot_mapping, block_table, seq_lens, query_start_loc)
+        stream = self._current_stream()
+        if self.overlap and (capturing if capturing is not None else self._capturing()):
+            stream = self._fork(stream)
+        self._launch_kernel(self._f_record, launch.grid, 1, 1, THREADS, 1, 1, launch.smem, stream,
+                            launch.params_addr, 0)
+        if stream == self._side_ptr:
+            self._rt.eventRecord(self._join_ev, stream)
+            self._fork_pending = True
+
+    # ---- overlap mode (graph capture only) ------------------------------------------------------------
+    def _fork(self, main: int) -> int:
+        """Join the previous layer's side kernel into `main`, then fork the side stream from `main`.
+
+        In the captured graph the record kernel of layer i runs beside layer i's attention and layer i+1
+        depends on it only through an edge: nothing is added to the critical path. Only while capturing:
+        an eager fork would need a host-side join before the next capture, which CUDA forbids then."""
+        rt = self._rt
+        if self._fork_pending:
+            rt.streamWaitEvent(main, self._join_ev, 0)
+        rt.eventRecord(self._fork_ev, main)
+        rt.streamWaitEvent(self._side_ptr, self._fork_ev, 0)
+        return self._side_ptr
+
+    def join(self) -> None:
+        """Make the current stream wait for a forked record kernel (called at capture end)."""
+        if self._fork_pending:
+            self._rt.streamWaitEvent(self._current_stream(), self._join_ev, 0)
+            self._fork_pending = False
+
+    def _prepare(self, layer_idx: int, emit: bool, key: tuple, slot_mapping, block_table, seq_lens,
+                 query_start_loc) -> _Launch:
+        """Check the tensors once per layer and shape, and build the launch (never converts: a copy would
+        allocate on the hot path and break CUDA-graph buffer persistence)."""
+        torch = self._torch
+        T, R = slot_mapping.shape[0], seq_lens.shape[0]
+        tensors = {"slot_mapping": slot_mapping, "block_table": block_table, "seq_lens": seq_lens}
+        if query_start_loc is not None:
+            tensors["query_start_loc"] = query_start_loc
+        for name, t in tensors.items():
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the ring on {self.device}")
+        if slot_mapping.dtype not in (torch.int64, torch.int32) or slot_mapping.dim() != 1:
+            raise TypeError(f"slot_mapping must be 1-D int64/int32, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        for name in ("block_table", "seq_lens", "query_start_loc"):
+            t = tensors.get(name)
+            if t is not None and t.dtype != torch.int32:
+                raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] < R or (block_table.shape[1] > 1 and block_table.stride(1) != 1):
+            raise ValueError(f"block_table must be [>= num_reqs, max_blocks] with unit column stride, got "
+                             f"{tuple(block_table.shape)} strides {block_table.stride()}")
+        for name, t in tensors.items():
+            if name != "block_table" and t.numel() > 1 and t.stride(0) != 1:
+                raise ValueError(f"{name} must be contiguous")
+        if query_start_loc is not None and query_start_loc.shape[0] < R + 1:
+            raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {R} requests")
+        if max(T, R, block_table.shape[1]) >= 1 << 31:
+            raise ValueError("metadata larger than 2^31 entries")
+        # Block 0 counts and writes the timing record; with emit, then the read blocks, then the write blocks.
+        read_blocks = min(-(-R // WARPS), MAX_GRID) if emit else 0
+        grid = 1 + read_blocks + (min(-(-T // THREADS), MAX_GRID) if emit else 0)
+        args = _RecordArgs(
+            state=self._state.data_ptr(), ring=self._ring.data_ptr(), tring=self._tring.data_ptr(),
+            slot_mapping=slot_mapping.data_ptr(), block_table=block_table.data_ptr(),
+            seq_lens=seq_lens.data_ptr(), qsl=0 if query_start_loc is None else query_start_loc.data_ptr(),
+            bt_stride=block_table.stride(0), num_tokens=T, num_reqs=R, max_blocks=block_table.shape[1],
+            block_size=self.block_size, layer=layer_idx, emit=int(emit),
+            sm_is_64=int(slot_mapping.dtype == torch.int64), read_blocks=read_blocks,
+            ring_mask=self.capacity - 1, ring_log2=self.log2cap,
+            tring_mask=self.timing_capacity - 1, tring_log2=self.log2tcap,
+        )
+        # Count-only launches get no dynamic shared memory: less for the SM to set aside between kernels.
+        launch = _Launch(key, args, grid, SMEM_QSL * 4 if emit else 0)
+        self._launches[layer_idx] = launch
+        return launch
+
+    def drain(self, _ack: threading.Event | None = None) -> None:
+        if self.closed or self._capturing():
+            return
+        self._start_thread()
+        rt, side = self._rt, self._snap_stream_ptr
+        slot = self._snap_count % NSNAP
+        self._snap_count += 1
+        ev, done = self._snap_ev[slot], self._done_ev[slot]
+        rt.eventRecord(ev, self._current_stream())  # everything up to here on the inference stream
+        rt.streamWaitEvent(side, ev, 0)
+        rt.memcpyAsync(self._snap_host_ptr + slot * SNAP_WORDS * 8, self._state_ptr, SNAP_WORDS * 8,
+                       rt.memcpyDeviceToHost, side)  # pinned destination: asynchronous
+        rt.eventRecord(done, side)
+        self._queue.put(("snap", slot, self._done_events[slot], _ack))
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        if self.closed:
+            return
+        if self._capturing():
+            raise RuntimeError("KVAccessRing.flush during CUDA graph capture")
+        a = self._state_args
+        a.set = 0  # snapshot only: the heads as of now, on the inference stream
+        self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
+                            self._state_launch.params_addr, 0)
+        ack = threading.Event()
+        self.drain(_ack=ack)
+        if not ack.wait(timeout_s):
+            self._warn(f"KVAccessRing.flush: background drain did not finish in {timeout_s} s")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.flush()
+        except Exception as exc:  # at interpreter exit CUDA may already be gone
+            self._warn(f"KVAccessRing.close: final flush failed: {exc}")
+        self.closed = True
+        self.active = False
+        if self._thread is not None:
+            self._queue.put(("stop", None, None, None))
+            self._thread.join(timeout=30.0)
+        try:
+            self._take_anchor()
+        except Exception:
+            pass
+
+    # ---- background thread -----------------------------------------------------------------------------
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvtrace-kv-ring", daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _wait(event: Any) -> None:
+        """Wait for a CUDA event without blocking-sync (which may spin a core for a whole step)."""
+        while not event.query():
+            time.sleep(0.0002)
+
+    def _run(self) -> None:
+        self._torch.cuda.set_device(self.index)  # makes the primary context current for CuPy launches
+        _relax_capture_mode()
+        next_anchor = time.monotonic() + self.anchor_interval_s
+        while True:
+            try:
+                items = [self._queue.get(timeout=max(0.01, next_anchor - time.monotonic()))]
+            except queue.Empty:
+                items = []
+            while True:  # take everything queued: only the newest snapshot matters
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            snaps = [it for it in items if it[0] == "snap"]
+            try:
+                if snaps:
+                    _, slot, done, _ = snaps[-1]
+                    self._wait(done)
+                    snap = self._snap_host[slot].numpy()
+                    t0 = time.perf_counter()
+                    self._drain_to(int(snap[ST_SNAP_REC]), int(snap[ST_SNAP_TIM]))
+                    self.stats["drain_s"] += time.perf_counter() - t0
+                if time.monotonic() >= next_anchor:
+                    self._take_anchor()
+                    next_anchor = time.monotonic() + self.anchor_interval_s
+            except Exception as exc:  # never take the process down; say what happened
+                self._warn(f"KVAccessRing drain failed: {exc!r}")
+            for it in items:
+                if it[3] is not None:
+                    it[3].set()
+            if any(it[0] == "stop" for it in items):
+                return
+
+    def _drain_to(self, head: int, thead: int) -> None:
+        """Copy positions [tail, head) of both rings to pinned memory, check, decode, emit."""
+        torch = self._torch
+        plan = []
+        for ring, stage, tail, hd, cap in ((self._ring, self._stage, self._tail, head, self.capacity),
+                                           (self._tring, self._tstage, self._ttail, thead, self.timing_capacity)):
+            if hd <= tail:
+                plan.append(None)
+                continue
+            lo = max(tail, hd - cap)
+            n = hd - lo
+            a = lo & (cap - 1)
+            n1 = min(n, cap - a)
+            with torch.cuda.stream(self._copy_stream):
+                stage[: n1 * 8].copy_(ring[a * 8:(a + n1) * 8], non_blocking=True)
+                if n > n1:
+                    stage[n1 * 8: n * 8].copy_(ring[: (n - n1) * 8], non_blocking=True)
+            plan.append((stage, tail, hd, lo, n))
+        if plan == [None, None]:
+            return
+        with torch.cuda.stream(self._copy_stream):
+            # The live heads after the copy: a slot of position p may have been overwritten while we
+            # copied only if position p + capacity was reserved by then, i.e. p < live head - capacity.
+            self._live_host.copy_(self._state[:LIVE_WORDS], non_blocking=True)
+        self._copy_event.record(self._copy_stream)
+        self._wait(self._copy_event)
+        live = self._live_host.numpy()
+        for i, p in enumerate(plan):
+            if p is None:
+                continue
+            stage, tail, hd, lo, n = p
+            timing = i == 1
+            cap, log2cap = (self.timing_capacity, self.log2tcap) if timing else (self.capacity, self.log2cap)
+            live_head = int(live[ST_TIM_HEAD if timing else ST_REC_HEAD])
+            recs = stage.numpy().view(TIM_DTYPE if timing else REC_DTYPE)[:n]
+            self._decode_window(recs, lo, tail, hd, log2cap, max(lo, live_head - cap), timing)
+            if timing:
+                self._ttail = hd
+            else:
+                self._tail = hd
+
+    # ---- clocks -------------------------------------------------------------------------------------------
+    def _take_anchor(self) -> None:
+        """Pair %globaltimer with CLOCK_MONOTONIC: best (shortest) of a few round trips, midpoint."""
+        torch = self._torch
+        best = None
+        for _ in range(ANCHOR_TRIES):
+            m0, u0 = time.monotonic_ns(), time.time_ns()
+            with torch.cuda.stream(self._anchor_stream):
+                self._launch_kernel(self._f_timer, 1, 1, 1, 32, 1, 1, 0, self._anchor_stream.cuda_stream,
+                                    ctypes.addressof(self._timer_params), 0)
+                self._timer_host.copy_(self._timer, non_blocking=True)
+                self._anchor_event.record(self._anchor_stream)
+            self._anchor_event.synchronize()  # side stream only; a few microseconds
+            rtt = time.monotonic_ns() - m0
+            if best is None or rtt < best[3]:
+                best = (m0 + rtt // 2, u0 + rtt // 2, int(self._timer_host[0]), rtt)
+        mono, utc, dev_ns, _ = best
+        self.recorder.buffer("clock_anchors").append((mono, utc, dev_ns, self.source))
+        self._anchors = (self._anchors + [(dev_ns, mono)])[-32:]
+        self._fit = self._fit_clock(self._anchors)
+
+    @staticmethod
+    def _fit_clock(anchors: list[tuple[int, int]]) -> tuple[int, int, float]:
+        """Least-squares line host = a + slope * (device - d_ref), d_ref = the last anchor's device time."""
+        dev_ref, host_ref = anchors[-1]
+        if len(anchors) < 2 or anchors[-1][0] - anchors[0][0] < 1_000_000_000:
+            return dev_ref, host_ref, 1.0  # under a second of baseline: offset only
+        x = np.array([d - dev_ref for d, _ in anchors], dtype=np.float64)
+        y = np.array([h - host_ref for _, h in anchors], dtype=np.float64)
+        slope, intercept = np.polyfit(x, y, 1)
+        return dev_ref, host_ref + int(round(intercept)), float(slope)
+
+    def _to_host_ns(self, ts: np.ndarray) -> np.ndarray:
+        dev_ref, host_ref, slope = self._fit
+        d = ts.astype(np.int64) - np.int64(dev_ref)  # differences stay small: exact in float64
+        return np.int64(host_ref) + np.rint(d * slope).astype(np.int64)
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    ring = ref()
+    if ring is not None:
+        ring.close()
+
+
+def _relax_capture_mode() -> None:
+    """Let the calling (background) thread query events and queue async copies on its own streams while
+    another thread captures a CUDA graph in the default global mode (vLLM's and torch.cuda.graph's):
+    otherwise CUDA refuses such calls from every thread for the length of the capture."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        mode = ctypes.c_int(2)  # CU_STREAM_CAPTURE_MODE_RELAXED
+        libcuda.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+    except Exception:
+        pass  # best effort: without it a drain racing a capture fails and is reported, never silent
+
+
+def empty_kernel_launcher(device_index: int):
+    """Benchmark helper: a callable that launches an empty kernel on the current stream (the floor of one
+    extra kernel per layer inside a CUDA graph)."""
+    import torch
+    from cupy.cuda import driver
+
+    fn = _load_kernels(device_index)["kv_empty"]
+    raw = torch._C._cuda_getCurrentRawStream
+
+    def launch() -> None:
+        driver.launchKernel(fn, 1, 1, 1, 32, 1, 1, 0, raw(device_index), 0, 0)
+
+    return launch
+
+
+_OVERLAP_RINGS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _install_capture_join() -> None:
+    """Wrap torch.cuda.CUDAGraph.capture_end (once) so that every overlap ring joins its last forked record
+    kernel into the capture stream before the capture ends (an unjoined fork fails the capture), and
+    capture_begin so that a fork from an aborted capture is forgotten."""
+    import torch
+
+    cls = torch.cuda.CUDAGraph
+    if getattr(cls.capture_end, "_kvtrace_joins", False):
+        return
+    orig_begin, orig_end = cls.capture_begin, cls.capture_end
+
+    def capture_begin(self, *args, **kwargs):
+        for ring in list(_OVERLAP_RINGS):  # a fork left by an aborted capture must not be joined into this one
+            ring._fork_pending = False
+        return orig_begin(self, *args, **kwargs)
+
+    def capture_end(self, *args, **kwargs):
+        for ring in list(_OVERLAP_RINGS):
+            ring.join()
+        return orig_end(self, *args, **kwargs)
+
+    capture_begin._kvtrace_joins = capture_end._kvtrace_joins = True
+    cls.capture_begin, cls.capture_end = capture_begin, capture_end

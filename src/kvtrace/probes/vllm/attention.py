@@ -1,0 +1,220 @@
+"""Attention probe (Worker): per-layer KV reads and writes from the metadata the kernels receive.
+
+Patch points (vLLM 0.32):
+- `GPUModelRunner.execute_model(scheduler_output)` (also the CPU runner's): reads our step id from the
+  SchedulerOutput (tagged by the scheduler probe), starts the ring's step, and after the forward pass
+  writes which request sat in which batch row (`batch_slots`), so device records can name requests.
+- the module-global `get_attention_context(layer_name)` in `model_executor/layers/attention/attention.py`
+  (and the name MLA imported): every attention layer calls it for its KV write and again for its read;
+  on the read call we hand `slot_mapping`, `block_table`, `seq_lens`, `query_start_loc` to the KV access
+  ring (`kvtrace.probes.kv_access.ring`), which records on the device (CUDA, CuPy) or on the CPU.
+Never `Attention.forward`: Dynamo traces it (see vllm-hook-map.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from kvtrace.probes.base import Probe, TargetMissing
+
+ATTN = "vllm.model_executor.layers.attention.attention"
+MLA = "vllm.model_executor.layers.attention.mla_attention"
+RUNNER = "vllm.v1.worker.gpu_model_runner"
+READ_CALLERS = ("unified_attention_with_output", "unified_attention", "unified_mla_attention_with_output",
+                "unified_mla_attention")
+
+try:
+    from kvtrace.probes import nvtx_ranges as _nvtx
+except Exception:  # pragma: no cover
+    _nvtx = None
+
+
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _NullContext()
+
+
+def layer_index(layer_name: str, cache: dict[str, int]) -> int:
+    """`model.layers.12.self_attn.attn` -> 12 (the first integer path component; -1 if none)."""
+    idx = cache.get(layer_name)
+    if idx is None:
+        idx = next((int(p) for p in layer_name.split(".") if p.isdigit()), -1)
+        cache[layer_name] = idx
+    return idx
+
+
+class AttentionProbe(Probe):
+    name = "attention"
+
+    # The model runner is patched when its module is imported (probes/imports.py), not at install:
+    # importing it costs ~0.6 s, and only worker processes ever load it.
+    RUNNER_TARGET = (RUNNER, "GPUModelRunner.execute_model", ("scheduler_output",))
+    # The package: importing it loads ATTN with every other attention module (~0.4 s), in a front end
+    # that never runs a layer; asking whether ATTN exists would import the package already.
+    defer_until = ATTN.rsplit(".", 1)[0]
+
+    def targets(self):
+        return [(ATTN, "get_attention_context", ("layer_name",))]
+
+    def install_patches(self) -> None:
+        import importlib
+
+        from kvtrace.probes.imports import when_imported
+
+        attn_mod = importlib.import_module(ATTN)
+        self.ring = None
+        self.step = -1
+        self.slots = self.rec.buffer("batch_slots")
+        self.layer_names: dict[str, int] = {}
+        self.open_layer_range = False
+        granularity = self.options.get("kv_granularity", "timing")
+        layers = self.options.get("kv_layers") or ("all" if granularity == "blocks" else "auto")
+        sample_every = int(self.options.get("kv_sample_every", 1) or 1)
+        probe = self
+
+        def execute_model(orig):
+            def wrapper(runner, scheduler_output, *args, **kwargs):
+                if not probe.enabled:
+                    return orig(runner, scheduler_output, *args, **kwargs)
+                try:
+                    probe.rec.role = "worker"
+                    step = getattr(scheduler_output, "_kvtrace_step", None)
+                    probe.step = step if step is not None else probe.step + 1
+                    if probe.ring is None:
+                        probe.set_rank(runner)
+                        probe.ring = probe.make_ring(runner, granularity, layers, sample_every)
+                    probe.ring.begin_step(probe.step)
+                except Exception as exc:
+                    probe.fail(exc)
+                    return orig(runner, scheduler_output, *args, **kwargs)
+                with probe.nvtx_execute():
+                    try:
+                        result = orig(runner, scheduler_output, *args, **kwargs)
+                    finally:
+                        probe.nvtx_layer(None)
+                if probe.enabled and scheduler_output.total_num_scheduled_tokens:
+                    try:
+                        step = probe.step
+                        probe.slots.extend((step, i, rid) for i, rid in enumerate(runner.input_batch.req_ids))
+                    except Exception as exc:
+                        probe.fail(exc)
+                return result
+            return wrapper
+
+        def get_attention_context(orig):
+            def wrapper(layer_name, *args, **kwargs):
+                result = orig(layer_name, *args, **kwargs)
+                ring = probe.ring
+                if ring is None or not probe.enabled:
+                    return result
+                caller = sys._getframe(1).f_code.co_name
+                if caller in READ_CALLERS:
+                    meta = result[0]
+                    if meta is not None:
+                        try:
+                            probe.maybe_inject_fault()
+                            layer = layer_index(layer_name, probe.layer_names)
+                            probe.nvtx_layer(layer)
+                            ring.record_layer(layer, meta.slot_mapping, meta.block_table, meta.seq_lens,
+                                              getattr(meta, "query_start_loc", None))
+                        except Exception as exc:
+                            probe.fail(exc)
+                return result
+            return wrapper
+
+        def capture_model(orig):
+            # FULL CUDA graphs capture attention once, at engine start, before the first execute_model:
+            # the ring must exist by then so its launches are captured (they read the step id from
+            # device memory, so each replay records under the right step).
+            def wrapper(runner, *args, **kwargs):
+                if probe.enabled and probe.ring is None:
+                    try:
+                        probe.ring = probe.make_ring(runner, granularity, layers, sample_every)
+                    except Exception as exc:
+                        probe.fail(exc)
+                return orig(runner, *args, **kwargs)
+            return wrapper
+
+        def attach_runner(module: Any) -> None:
+            """Patch the model runner once its module is loaded (in a worker); disable on drift."""
+            if not self._patches:  # uninstalled meanwhile (at install, `enabled` is not yet set)
+                return
+            try:
+                self.check_targets([self.RUNNER_TARGET])
+                runner_cls = module.GPUModelRunner
+                self.patch(runner_cls, "execute_model", execute_model)
+                if hasattr(runner_cls, "capture_model"):
+                    self.patch(runner_cls, "capture_model", capture_model)
+            except Exception as exc:
+                self.give_up(exc)
+
+        self.patch(attn_mod, "get_attention_context", get_attention_context)
+        try:  # MLA imported the function by name: patch its copy too, when the module loads here
+            mla = importlib.import_module(MLA)
+            if hasattr(mla, "get_attention_context"):
+                self.patch(mla, "get_attention_context", get_attention_context)
+        except Exception:
+            pass
+        if not when_imported(RUNNER, attach_runner):
+            raise TargetMissing(f"{RUNNER}: no such module")
+
+    def nvtx_layer(self, layer: int | None) -> None:
+        """Per-layer ranges (--nvtx-layers): `kvtrace layer N` runs from layer N's attention read to the
+        next layer's, so it covers the attention and what follows it; the last closes with the pass."""
+        if _nvtx is None or not self.options.get("nvtx_layers"):
+            return
+        try:
+            if self.open_layer_range:
+                _nvtx.pop()
+                self.open_layer_range = False
+            if layer is not None and _nvtx.layer(layer) is not _nvtx._NOTHING:
+                self.open_layer_range = True
+        except Exception as exc:
+            self.fail(exc)
+
+    def nvtx_execute(self):
+        """`kvtrace execute` around the forward pass (a no-op context when NVTX is off)."""
+        try:
+            return _nvtx.phase("execute") if _nvtx is not None else _NULL
+        except Exception:
+            return _NULL
+
+    def install(self) -> bool:
+        if self.options.get("kv_granularity") == "off":
+            self.rec.set_probe_status(self.name, "off", "--kv-granularity off")
+            return False
+        return super().install()  # installs when the attention module is imported (defer_until)
+
+    def set_rank(self, runner: Any) -> None:
+        """Rows carry rank = dp_rank * 1000 + tp_rank of this worker."""
+        dp = int(getattr(runner.parallel_config, "data_parallel_rank", 0) or 0)
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp = int(get_tensor_model_parallel_rank())
+        except Exception:  # not initialised (single process): rank 0
+            tp = 0
+        self.rec.rank = dp * 1000 + tp
+
+    def make_ring(self, runner: Any, granularity: str, layers: Any, sample_every: int):
+        from kvtrace.probes.kv_access import make_ring
+
+        block_size = runner.cache_config.block_size
+        capacity = int(self.options.get("kv_ring_capacity", 1 << 20))
+        return make_ring(runner.device, capacity=capacity, block_size=block_size,
+                         granularity=granularity, layers=layers, sample_every=sample_every,
+                         recorder=self.rec,
+                         # CUDA only: run record kernels beside attention inside captured graphs
+                         # (docs/device-ring.md); {"kv_overlap": false} keeps them inline.
+                         overlap=bool(self.options.get("kv_overlap", True)))
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()

@@ -1,0 +1,194 @@
+"""`kvtrace record -- CMD`: run a command unchanged with kvtrace's probes in every vLLM process.
+
+The command runs as a child in its own process group with `KVTRACE_SESSION` and `KVTRACE_OPTIONS` in
+its environment; vLLM loads kvtrace's general plugin in each of its processes, and the plugin records
+only when those variables are set. SIGINT and SIGTERM are forwarded to the child's process group so vLLM
+shuts down its own way; a second SIGINT kills the group so nothing is left behind. When the child ends,
+the session's manifest is finalised (exit code, per-process status, probes, losses) and kvtrace exits
+with the child's status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvtrace.errors import KvtraceError
+from kvtrace.format.session import MANIFEST, new_manifest, proc_dirs, read_proc, write_json_atomic
+from kvtrace.record.signals import request_flush, wait_group_exit
+
+PLUGIN_NAME = "kvtrace"
+
+
+def prepare_session(out_dir: str | os.PathLike, command: list[str], options: dict[str, Any],
+                    overwrite: bool = True) -> tuple[Path, dict[str, Any]]:
+    """Create the session directory and its manifest; returns (path, manifest)."""
+    out = Path(out_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise KvtraceError(f"{out}: exists and is not a directory")
+    if out.exists() and (out / "procs").exists():
+        if not overwrite:
+            raise KvtraceError(f"{out}: already holds a session (use another -o or --force)")
+        import shutil
+
+        shutil.rmtree(out / "procs")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        manifest = new_manifest(command, options)
+        write_json_atomic(out / MANIFEST, manifest)
+    except OSError as exc:
+        raise KvtraceError(f"{out}: cannot create the session directory ({exc.strerror})") from None
+    return out, manifest
+
+
+def session_env(session_dir: Path, options: dict[str, Any], base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that switches the probes on in every process started with it."""
+    env = dict(os.environ if base is None else base)
+    env["KVTRACE_SESSION"] = str(session_dir)
+    env["KVTRACE_OPTIONS"] = json.dumps(options)
+    allow = env.get("VLLM_PLUGINS")
+    if allow is not None and PLUGIN_NAME not in allow.split(","):  # an allow-list must include us
+        env["VLLM_PLUGINS"] = ",".join([p for p in allow.split(",") if p] + [PLUGIN_NAME])
+    return env
+
+
+def finalize_session(session_dir: Path, exit_code: int | None, note: str | None = None) -> dict[str, Any]:
+    """Merge what every process reported into the manifest; returns the manifest."""
+    path = session_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        manifest = new_manifest([], {})
+    procs, probes, dropped, engine = [], {}, {}, {}
+    for p in proc_dirs(session_dir):
+        proc = read_proc(p)
+        procs.append({k: proc.get(k) for k in ("pid", "role", "rank", "host", "status", "stopped_reason")})
+        for name, st in (proc.get("probes") or {}).items():
+            probes.setdefault(name, {})[f"{proc.get('role')}:{proc.get('pid')}"] = st
+        for table, causes in (proc.get("dropped") or {}).items():
+            for cause, n in causes.items():
+                key = f"{table}:{cause}"
+                dropped[key] = dropped.get(key, 0) + n
+        engine = engine or proc.get("engine_config") or {}
+    clean = exit_code == 0 or exit_code in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT,
+                                             128 + signal.SIGTERM)
+    # "flushed": the process wrote everything it held when asked, just before it was stopped.
+    all_closed = all(p["status"] in ("complete", "flushed") for p in procs)
+    manifest.update({
+        "status": "complete" if clean and all_closed else "incomplete",
+        "exit_code": exit_code,
+        "procs": procs,
+        "probes": probes,
+        "dropped": dropped,
+        "engine_config": engine,
+    })
+    manifest.setdefault("clock", {})["end_monotonic_ns"] = time.monotonic_ns()
+    manifest["clock"]["end_utc_ns"] = time.time_ns()
+    if note:
+        manifest["note"] = note
+    try:
+        write_json_atomic(path, manifest)
+    except OSError as exc:
+        print(f"kvtrace: warning: cannot finalise {path}: {exc}", file=sys.stderr)
+    return manifest
+
+
+def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[str, Any],
+                 quiet: bool = False) -> int:
+    """Run `command` with recording on; returns the exit status to leave with (the child's)."""
+    if not command:
+        raise KvtraceError("nothing to record: give a command after --, e.g. kvtrace record -- vllm serve MODEL")
+    session_dir, _ = prepare_session(out_dir, command, options)
+    env = session_env(session_dir, options)
+    child: subprocess.Popen | None = None
+    interrupts = 0
+    early: list[int] = []  # signals that came before the command started
+
+    def forward(signum, _frame):
+        nonlocal interrupts
+        if signum == signal.SIGINT:
+            interrupts += 1
+        if child is None:  # not started yet: it is told once it runs (below)
+            early.append(signum)
+            return
+        try:
+            if interrupts >= 2:  # the user insists: leave nothing behind
+                os.killpg(child.pid, signal.SIGKILL)
+            else:
+                request_flush(session_dir, pgid=child.pid)
+                os.killpg(child.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    # Handlers first, then the command: a handler is reset to the default action in the new program,
+    # while "ignore" is inherited. Started as `kvtrace record ... &` by a non-interactive shell (SIGINT
+    # ignored), the command would otherwise ignore the SIGINT forwarded to it, and never stop.
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        try:
+            child = subprocess.Popen(command, env=env, start_new_session=True)
+        except FileNotFoundError:
+            raise KvtraceError(f"{command[0]}: command not found") from None
+        except PermissionError:
+            raise KvtraceError(f"{command[0]}: permission denied") from None
+        if early:  # a signal came while it was starting
+            os.killpg(child.pid, early[-1])
+        while True:
+            try:
+                code = child.wait()
+                break
+            except InterruptedError:
+                continue
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    # vLLM's engine processes may outlive the front end by a moment while they flush: give them time.
+    wait_group_exit(child.pid, timeout_s=15.0)
+    manifest = finalize_session(session_dir, code)
+    if not quiet:
+        print(f"kvtrace: session {session_dir} ({manifest['status']}, exit {code})", file=sys.stderr)
+    return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N, as a shell does
+
+
+
+
+
+
+
+
+
+
+@contextlib.contextmanager
+def session(out_dir: str | os.PathLike, **options: Any) -> Iterator[Path]:
+    """Record the vLLM engines started inside the `with` block (for notebooks and scripts).
+
+        with kvtrace.session("run1"):
+            llm = LLM(model=...)   # engine processes started here are recorded
+            llm.generate(...)
+    """
+    session_dir, _ = prepare_session(out_dir, [sys.argv[0] if sys.argv else "python", "(in-process)"],
+                                     options)
+    saved = {k: os.environ.get(k) for k in ("KVTRACE_SESSION", "KVTRACE_OPTIONS", "VLLM_PLUGINS")}
+    os.environ.update({k: v for k, v in session_env(session_dir, options).items()
+                       if k in saved})
+    code = 0
+    try:
+        yield session_dir
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        finalize_session(session_dir, code)

@@ -1,0 +1,33 @@
+"""Opening a kvtrace database: only files kvtrace wrote, with one-line errors for anything else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+
+from kvtrace.errors import KvtraceError
+
+
+def open_db(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open a kvtrace DuckDB file; a one-line KvtraceError when it is not one."""
+    path = Path(path)
+    if path.is_dir():
+        raise KvtraceError(f"{path}: is a directory, expected a DuckDB file")
+    if read_only and not path.exists():
+        raise KvtraceError(f"{path}: no such database")
+    if not path.parent.is_dir():
+        raise KvtraceError(f"{path}: directory {path.parent} does not exist")
+    existed = path.exists() and path.stat().st_size > 0
+    try:
+        con = duckdb.connect(str(path), read_only=read_only)
+    except duckdb.Error as exc:
+        raise KvtraceError(f"{path}: not a DuckDB database ({str(exc).splitlines()[0][:120]})") from None
+    if read_only or existed:
+        tables = {r[0] for r in con.execute("select table_name from information_schema.tables").fetchall()}
+        ours = "kvtrace_meta" in tables or "sessions" in tables or any(t.startswith("nsys_") for t in tables)
+        if not ours and (read_only or tables):
+            con.close()
+            what = "refusing to add kvtrace tables to it" if not read_only else "no kvtrace tables"
+            raise KvtraceError(f"{path}: a DuckDB database, but not one kvtrace wrote ({what})")
+    return con

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (and by some benchmarks): running kvtrace, driving vLLM, test data."""

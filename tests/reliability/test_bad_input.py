@@ -1,0 +1,244 @@
+"""Bad input everywhere: every file kvtrace reads, damaged or wrong, gives one line and a non-zero exit.
+
+The inputs are in tests/data/bad/ (made by tests/data/make_bad_corpus.py, which also lists what each
+error must say); a few are made here (missing paths, a directory where a file goes, another tool's
+DuckDB file). Every command runs as a subprocess, as a user runs it. See docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from tests.helpers.run import run_kvtrace
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+BAD = DATA / "bad"
+_spec = importlib.util.spec_from_file_location("make_bad_corpus", DATA / "make_bad_corpus.py")
+corpus = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(corpus)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, names: str, *words: str, code: int = 1) -> str:
+    """Exit `code`, nothing on stdout, exactly one stderr line `kvtrace: error: ...` naming `names`."""
+    err = proc.stderr
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
+    assert proc.returncode == code, (proc.returncode, err)
+    assert lines[0].startswith("kvtrace: error: "), lines[0]
+    assert names in lines[0], f"{names!r} not named in: {lines[0]}"
+    for w in words:
+        assert w in lines[0], f"{w!r} not in: {lines[0]}"
+    assert proc.stdout.strip() == "", proc.stdout
+    return lines[0]
+
+
+def kv(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return run_kvtrace(*args, check=False, cwd=cwd, timeout=120)
+
+
+def command_for(kind: str, target: str, db: Path) -> list[str]:
+    if kind == "ingest":
+        return ["ingest", target, "-o", str(db)]
+    if kind == "nsys":
+        return ["ingest", "--nsys", target, "-o", str(db)]
+    return ["query", target, "summary"]
+
+
+# Bugs these inputs found in files owned by others, left for their owners (docs/reliability.md).
+KNOWN_BUGS: dict[str, str] = {}  # corpus file -> why it is expected to fail (strict xfail)
+
+
+def _case(c: tuple):
+    bug = KNOWN_BUGS.get(c[0])
+    return pytest.param(*c, id=c[0], marks=[pytest.mark.xfail(reason=bug, strict=True)] if bug else [])
+
+
+@pytest.mark.parametrize("name,kind,words", [_case(c) for c in corpus.CASES])
+def test_corpus_input_is_refused_in_one_line(name, kind, words, tmp_path):
+    target = BAD / name
+    if not target.exists():
+        pytest.skip(f"{target} not generated (the nsys inputs need tests/data/nsys)")
+    db = tmp_path / "out.duckdb"
+    proc = kv(*command_for(kind, name, db), cwd=BAD)  # relative path: the error names it as given
+    line = assert_one_line_error(proc, name, *([words] if words else []))
+    if kind == "ingest":  # the file at fault, not just its session directory
+        assert "manifest.json" in line or ".arrows" in line, line
+
+
+@pytest.mark.parametrize("name,kind,words", corpus.ACCEPTED, ids=[c[0] for c in corpus.ACCEPTED])
+def test_corpus_input_that_must_load(name, kind, words, tmp_path):
+    target = BAD / name
+    if not target.exists():
+        pytest.skip(f"{target} not generated")
+    db = tmp_path / "out.duckdb"
+    proc = kv(*command_for(kind, str(target), db))
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert words in proc.stdout, proc.stdout
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        if kind == "ingest":
+            assert con.execute("select status from sessions").fetchall() == [("incomplete",)]
+        else:
+            assert con.execute("select count(*) from nsys_exports").fetchone()[0] == 1
+    finally:
+        con.close()
+
+
+def test_killed_mid_batch_keeps_every_whole_batch_and_reports_the_cut(tmp_path):
+    db = tmp_path / "k.duckdb"
+    kv("ingest", str(BAD / "killed_mid_batch"), "-o", str(db))
+    con = duckdb.connect(str(db), read_only=True)
+    # 3 rows from the closed shard + the first whole batch (4 rows) of the open one; the cut batch is gone.
+    assert [r[0] for r in con.execute("select step from steps order by step").fetchall()] == [1, 2, 3, 4, 5, 6, 7]
+    issues = con.execute("select file, problem, bytes_cut from ingest_issues").fetchall()
+    assert len(issues) == 1 and issues[0][0].endswith("steps.00000.arrows.partial") and issues[0][2] == 1508
+    con.close()
+
+
+def test_non_utf8_names_in_an_nsys_export_load_replaced(tmp_path):
+    path = BAD / "nsys_non_utf8.sqlite"
+    if not path.exists():
+        pytest.skip("nsys inputs not generated")
+    from kvtrace.ingest.nsys import load_nsys
+
+    con = duckdb.connect()
+    load_nsys(con, path)
+    names = [r[0] for r in con.execute("select name from nsys_runtime union all select name from nsys_kernels "
+                                       "union all select label from nsys_nvtx").fetchall() if r[0]]
+    assert any("\ufffd" in n for n in names) and not any("\x00" in n for n in names)
+
+
+# ---- inputs made here: paths that do not exist, a directory for a file and the reverse -----------------
+def test_paths_that_do_not_exist(tmp_path):
+    db = tmp_path / "x.duckdb"
+    assert_one_line_error(kv("ingest", str(tmp_path / "nope"), "-o", str(db)), "nope", "no such session")
+    assert_one_line_error(kv("ingest", "--nsys", str(tmp_path / "nope.sqlite"), "-o", str(db)), "nope.sqlite",
+                          "no such file")
+    assert_one_line_error(kv("query", str(tmp_path / "nope.duckdb"), "summary"), "nope.duckdb", "no such")
+    assert_one_line_error(kv("ingest", str(BAD / "killed_mid_batch"), "-o", str(tmp_path / "no" / "dir" / "x.duckdb")),
+                          "x.duckdb")
+
+
+def test_empty_session_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(kv("ingest", str(tmp_path / "empty"), "-o", str(tmp_path / "x.duckdb")), "empty",
+                          "not a kvtrace session")
+
+
+def test_a_job_pattern_that_is_not_a_regular_expression(tmp_path):
+    """Refused before anything is loaded."""
+    from kvtrace.testing import synth
+
+    synth.generate(tmp_path / "s", 20_000, seed=3)
+    db = tmp_path / "x.duckdb"
+    assert_one_line_error(kv("ingest", str(tmp_path / "s"), "-o", str(db), "--job-pattern", "job(?P<job>"),
+                          "--job-pattern", "not a regular expression")
+    with duckdb.connect(str(db), read_only=True) as con:  # not even the tables were made
+        assert con.execute("SELECT count(*) FROM information_schema.tables").fetchall() == [(0,)]
+
+
+def test_a_directory_where_a_file_is_expected(tmp_path):
+    d = tmp_path / "adir"
+    d.mkdir()
+    assert_one_line_error(kv("ingest", "--nsys", str(d), "-o", str(tmp_path / "x.duckdb")), "adir", "is a directory")
+    assert_one_line_error(kv("query", str(d), "summary"), "adir", "is a directory")
+    assert_one_line_error(kv("ingest", str(BAD / "killed_mid_batch"), "-o", str(d)), "adir", "is a directory")
+
+
+def test_a_file_where_a_session_directory_is_expected(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("hello")
+    assert_one_line_error(kv("ingest", str(f), "-o", str(tmp_path / "x.duckdb")), "afile", "not a directory")
+
+
+def test_record_into_a_file_and_of_a_missing_command(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("hello")
+    assert_one_line_error(kv("record", "-o", str(f), "--", "true"), "afile", "not a directory")
+    assert_one_line_error(kv("record", "-o", str(tmp_path / "s"), "--", "no-such-command-xyz"),
+                          "no-such-command-xyz", "command not found")
+
+
+def test_a_duckdb_file_from_another_tool(tmp_path):
+    path = corpus.make_other_tool_duckdb(tmp_path / "other_tool.duckdb")
+    assert_one_line_error(kv("query", str(path), "summary"), "other_tool.duckdb", "not one kvtrace wrote")
+
+
+def test_truncated_duckdb_file(tmp_path):
+    src = tmp_path / "good.duckdb"
+    kv("ingest", str(BAD / "killed_mid_batch"), "-o", str(src))
+    data = src.read_bytes()
+    cut = tmp_path / "cut.duckdb"
+    cut.write_bytes(data[: len(data) // 3])
+    proc = kv("query", str(cut), "summary")
+    assert_one_line_error(proc, "cut.duckdb")
+
+
+def test_corpus_is_what_the_script_makes(tmp_path):
+    """The checked-in corpus equals a fresh run of the script (so the script is the documentation)."""
+    fresh = corpus.main(tmp_path / "bad")
+    ours = sorted(p.relative_to(BAD) for p in BAD.rglob("*") if p.is_file())
+    if not corpus.NSYS_BASE.exists():  # tests/data/nsys missing: the script skips the nsys inputs
+        ours = [p for p in ours if not p.name.startswith("nsys_")]
+    theirs = sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
+    assert ours == theirs
+    for rel in ours:
+        assert (BAD / rel).read_bytes() == (fresh / rel).read_bytes(), f"{rel} differs: rerun make_bad_corpus.py"
+    shutil.rmtree(fresh)
+
+
+# ---- the reader on its own --------------------------------------------------------------------------
+def test_open_shard_closed_while_being_read(tmp_path):
+    """Ingesting a live session: a shard listed as `.partial` is renamed `.arrows` before it is read."""
+    from kvtrace.format.shards import ShardRead, ShardWriter, list_shards, read_shard, rows_to_batch
+
+    w = ShardWriter(tmp_path, "steps", 1 << 30, 1e9)
+    w.write(rows_to_batch("steps", corpus.step_rows(3)))
+    (shard,) = list_shards(tmp_path)
+    assert shard.open
+    w.close()  # renamed to steps.00000.arrows
+    res = ShardRead()
+    assert sum(b.num_rows for b in read_shard(shard, res)) == 3 and res.problems == []
+
+
+def test_open_shard_ending_with_the_end_marker_is_whole(tmp_path):
+    """Killed between closing a shard and renaming it: nothing was cut."""
+    from kvtrace.format.shards import ShardRead, ShardWriter, list_shards, read_shard, rows_to_batch
+
+    w = ShardWriter(tmp_path, "steps", 1 << 30, 1e9)
+    w.write(rows_to_batch("steps", corpus.step_rows(3)))
+    w.close()
+    closed = w.closed_shards[0][0]
+    closed.rename(closed.with_name(closed.name + ".partial"))
+    res = ShardRead()
+    (shard,) = list_shards(tmp_path)
+    assert sum(b.num_rows for b in read_shard(shard, res)) == 3
+    assert res.bytes_cut == 0 and res.problems == []
+
+
+@pytest.mark.parametrize("status,reported", [("running", True), ("flushed", False)])
+def test_open_shard_is_reported_unless_its_process_flushed_everything(tmp_path, status, reported):
+    """Killed without warning (`running`): rows it had not flushed are missing, say so. Stopped by vLLM
+    right after writing everything it held when `kvtrace record` asked (`flushed`): nothing is missing."""
+    import json
+
+    from kvtrace.format.shards import ShardRead, ShardWriter, list_shards, read_shard, rows_to_batch
+
+    (tmp_path / "proc.json").write_text(json.dumps({"pid": 1, "role": "engine", "status": status}))
+    w = ShardWriter(tmp_path, "steps", 1 << 30, 1e9)
+    w.write(rows_to_batch("steps", corpus.step_rows(3)))
+    (shard,) = list_shards(tmp_path)
+    res = ShardRead()
+    assert sum(b.num_rows for b in read_shard(shard, res)) == 3 and res.bytes_cut == 0
+    assert bool(res.problems) == reported
+    if reported:
+        assert res.problems == [f"{shard.path}: not closed (its process was killed or is still running); "
+                                "read to its last whole batch, 3 rows"]
