@@ -61,6 +61,9 @@ def cli(debug: bool) -> None:
               show_default=True, help="Device/CPU KV access recording: off, per-layer timing (+ one layer's "
               "block lists per step), or full block records for --kv-layers.")
 @click.option("--kv-sample-every", default=1, show_default=True, help="Record KV accesses every N-th step.")
+@click.option("--kv-ring-capacity", default=1 << 20, show_default=True,
+              help="KV access records a worker's ring holds between drains (a power of two); records "
+              "overwritten before a drain are counted as dropped.")
 @click.option("--job-pattern", default=None,
               help=r"Regex with named groups job and turn parsed from request ids, e.g. '(?P<job>\w+)-t(?P<turn>\d+)'.")
 @click.option("--nvtx/--no-nvtx", default=True, show_default=True, help="Emit NVTX ranges and marks.")
@@ -74,8 +77,8 @@ def cli(debug: bool) -> None:
 @click.option("--options-json", default=None, hidden=True,
               help="Extra recorder/probe options as a JSON object (tests and experts).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def record(out, max_size, on_max_size, kv_layers, kv_granularity, kv_sample_every, job_pattern, nvtx,
-           nvtx_layers, flush_interval, probes, record_tokens, options_json, command) -> None:
+def record(out, max_size, on_max_size, kv_layers, kv_granularity, kv_sample_every, kv_ring_capacity, job_pattern,
+           nvtx, nvtx_layers, flush_interval, probes, record_tokens, options_json, command) -> None:
     """Run COMMAND unchanged and record every vLLM process it starts.
 
     \b
@@ -84,9 +87,12 @@ def record(out, max_size, on_max_size, kv_layers, kv_granularity, kv_sample_ever
     """
     from kvtrace.record.launch import run_recorded
 
+    if kv_ring_capacity < 2 or kv_ring_capacity & (kv_ring_capacity - 1):
+        raise KvtraceError(f"--kv-ring-capacity {kv_ring_capacity}: not a power of two >= 2")
     options = {
         "max_size_bytes": _parse_size(max_size), "max_size_policy": on_max_size,
         "kv_layers": kv_layers, "kv_granularity": kv_granularity, "kv_sample_every": kv_sample_every,
+        "kv_ring_capacity": kv_ring_capacity,
         "job_pattern": job_pattern, "nvtx": nvtx, "nvtx_layers": nvtx_layers,
         "flush_interval_s": flush_interval, "record_tokens": record_tokens,
     }
@@ -144,8 +150,8 @@ def ingest(sessions, db, nsys, job_pattern, progress) -> None:
                    f"{report['seconds']:.2f} s ({report['events_per_s']:,.0f}/s) -> {db}")
         for problem in report["issues"]:
             click.echo(f"  incomplete: {problem}")
-        for line in report["probes"]:
-            click.echo(f"  probe {line}")
+        for problem in report["problems"]:  # probes not attached, rows lost, probes that recorded nothing
+            click.echo(f"  {problem}")
 
     t0 = time.monotonic()
     reports = do_ingest(list(sessions), db, nsys=list(nsys), progress=show, job_pattern=job_pattern,

@@ -6,6 +6,7 @@ Needs CUDA and CuPy; skipped otherwise. Run on a GPU machine: `python -m pytest 
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from collections import Counter
@@ -227,6 +228,45 @@ def test_one_launch_larger_than_the_ring_loses_nothing_silently():
     assert not Counter(rows) - Counter(expected)
 
 
+def test_a_ring_made_in_inference_mode_drains():
+    """vLLM runs the eager forward pass under torch.inference_mode(), where the ring is made on the first
+    step: its tensors must still take the drain thread's in-place updates (outside inference mode)."""
+    meta = make_metadata(random.Random(13), num_reqs=4)
+    rec = MemoryRecorder()
+    with torch.inference_mode():
+        g = make_ring(DEV, recorder=rec, granularity="blocks")
+        g.begin_step(0)
+        g.record_layer(0, *on_dev(meta))
+    g.close()
+    assert sorted(strip_ts(rec.buffers["kv_access"])) == sorted(expected_rows(0, 0, meta, 16))
+    assert rec.dropped == {} and not rec.warnings
+
+
+def test_a_drain_that_fails_counts_what_it_loses():
+    """A drain that raises never takes the process down, and the records it could not hand over are
+    counted as dropped (cause drain-error): rows + drops = records made."""
+    rng = random.Random(14)
+    g, rg, _, _ = rings(granularity="blocks", auto_drain=False)
+    g.begin_step(0)
+    expected = []
+    for layer in range(3):
+        meta = make_metadata(rng, num_reqs=3)
+        g.record_layer(layer, *on_dev(meta))
+        expected += expected_rows(0, layer, meta, 16)
+    real = g._drain_to
+    g._drain_to = lambda *a: (_ for _ in ()).throw(RuntimeError("injected drain failure"))
+    g.flush()
+    g._drain_to = real
+    assert rg.dropped["kv_access"] == {"drain-error": len(expected)}
+    assert rg.dropped["layer_timings"] == {"drain-error": 3}
+    assert any("drain failed" in w for w in rg.warnings)
+    g.begin_step(1)  # the ring goes on after the failure
+    meta = make_metadata(rng, num_reqs=2)
+    g.record_layer(0, *on_dev(meta))
+    g.close()
+    assert sorted(strip_ts(rg.buffers["kv_access"])) == sorted(expected_rows(1, 0, meta, 16))
+
+
 def test_clock_anchors_and_timestamps():
     meta = on_dev(make_metadata(random.Random(13)))
     g, rg, _, _ = rings(capacity=1 << 14, granularity="blocks")
@@ -250,6 +290,7 @@ def test_hot_path_never_syncs_or_allocates():
     g.begin_step(0)
     g.record_layer(0, *meta)  # first call per layer builds its launch
     g.flush()
+    gc.collect()  # rings of earlier tests, freed now rather than during the loop below
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.set_sync_debug_mode("error")

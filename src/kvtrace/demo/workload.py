@@ -88,14 +88,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--marker", default="", help="a string put into every prompt (privacy tests)")
     ap.add_argument("--repeat", type=int, default=1, help="run the job set this many times")
     ap.add_argument("--metrics-out", default=None)
+    ap.add_argument("--engine-args", default=None,
+                    help='more arguments for vLLM\'s LLM, as a JSON object (e.g. \'{"dtype": "bfloat16", '
+                         '"enforce_eager": false}\' on a GPU); they override the defaults above')
     args = ap.parse_args(argv)
+    extra = json.loads(args.engine_args) if args.engine_args else None
     model = args.model
     if model is None:
         from kvtrace.demo.model import ensure_tiny_model
 
         model = str(ensure_tiny_model())
     llm = make_engine(model, args.num_blocks, args.max_num_seqs, args.max_batched_tokens,
-                      prefix_caching=not args.no_prefix_caching, connector_dir=args.connector_dir)
+                      prefix_caching=not args.no_prefix_caching, connector_dir=args.connector_dir, extra=extra)
     results = [run_jobs(llm, args.jobs, args.turns, args.max_tokens, args.marker) for _ in range(args.repeat)]
     report = {"runs": results, "vllm": vllm_counters(llm)}
     if args.metrics_out:

@@ -215,7 +215,7 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("ts_ns", i64, "ns", "when counted"),
         _c("table_name", s, "", "table whose rows were lost"),
         _c("dropped", i64, "rows", "rows lost since the previous drops row of this table"),
-        _c("cause", s, "", "ring-wrap, writer-error, buffer-cap, max-size"),
+        _c("cause", s, "", "ring-wrap, drain-error, writer-error, buffer-cap, max-size, bad-row"),
     ),
 }
 

@@ -184,3 +184,85 @@ class SessionDir:
         if self._procs is None:
             self._procs = [ProcDir(p, read_proc(p)) for p in proc_dirs(self.path)]
         return self._procs
+
+
+# ---- the verdict on a session --------------------------------------------------------------------
+# complete: every process closed its shards, nothing was lost, every probe attached and recorded.
+# degraded: whole, but something is missing from it (`session_problems` says what).
+# empty: no vLLM process recorded anything (not even an engine step).
+# incomplete: a process did not close its shards, a shard was cut, or the command did not end cleanly.
+STATUSES = ("complete", "degraded", "empty", "incomplete")
+# Rows that every recording process writes whatever happens: they do not make a session non-empty.
+BOOKKEEPING_TABLES = ("clock_anchors", "drops")
+
+
+def _count(doc: dict[str, Any], table: str) -> int:
+    rows = doc.get("rows_written")
+    value = rows.get(table, 0) if isinstance(rows, dict) else 0
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def _where(doc: dict[str, Any]) -> str:
+    return f"{doc.get('role', 'proc')} pid {doc.get('pid', '?')}"
+
+
+def session_problems(procs: list[dict[str, Any]], engine_config: dict[str, Any] | None = None) -> list[str]:
+    """What keeps a session from being whole, read from its processes' proc.json documents (one line
+    each, for people): no process recorded, probes that did not attach or record less, rows lost, and
+    probes that attached but recorded nothing while the engine ran steps. [] when nothing is wrong."""
+    if not procs:
+        return ["no vLLM process was recorded: the command started none, or kvtrace is not installed in the "
+                "Python environment vLLM runs in (vLLM loads kvtrace's plugin from there)"]
+    out: list[str] = []
+    for doc in procs:
+        probes = doc.get("probes") if isinstance(doc.get("probes"), dict) else {}
+        for name, st in sorted(probes.items()):
+            if not isinstance(st, dict) or st.get("status") in schema.PROBE_FINE_STATUSES:
+                continue
+            reason = st.get("reason")
+            out.append(f"probe {name} ({_where(doc)}): {st.get('status')}" + (f": {reason}" if reason else ""))
+    lost: dict[str, int] = {}
+    for doc in procs:
+        dropped = doc.get("dropped") if isinstance(doc.get("dropped"), dict) else {}
+        for table, causes in dropped.items():
+            for cause, n in (causes.items() if isinstance(causes, dict) else ()):
+                if isinstance(n, int) and n > 0:
+                    lost[f"{table}: {cause}"] = lost.get(f"{table}: {cause}", 0) + n
+    if lost:
+        out.append(f"{sum(lost.values())} rows lost ({', '.join(f'{k} {n}' for k, n in sorted(lost.items()))})")
+    steps = sum(_count(doc, "steps") for doc in procs)
+    requests = sum(_count(doc, "request_events") for doc in procs)
+    if steps == 0 and any(_count(doc, t) for doc in procs for t in schema.SHARD_TABLES if t not in BOOKKEEPING_TABLES):
+        if requests:
+            out.append("the engine ran requests but no step was recorded (is the scheduler probe attached?)")
+    for doc in procs:
+        probes = doc.get("probes") if isinstance(doc.get("probes"), dict) else {}
+        attached = {n for n, st in probes.items() if isinstance(st, dict) and st.get("status") == "attached"}
+        # A process that ran forward passes is a worker (the attention probe names it so): one that
+        # imported the attention layers but never ran one (a front end) recorded nothing to record.
+        if (steps and doc.get("role") == "worker" and "attention" in attached
+                and not (_count(doc, "kv_access") or _count(doc, "layer_timings"))):
+            out.append(f"probe attention attached ({_where(doc)}) but recorded no KV access in {steps} engine steps")
+        caching = (engine_config or {}).get("enable_prefix_caching")
+        if (caching and "prefix_cache" in attached and _count(doc, "request_events")
+                and not _count(doc, "prefix_lookups")):
+            out.append(f"probe prefix_cache attached ({_where(doc)}) but recorded no lookup for the requests "
+                       f"it saw, with prefix caching on")
+    return out
+
+
+def is_empty(procs: list[dict[str, Any]]) -> bool:
+    """No process recorded a row beyond its bookkeeping (clock anchors, drops)."""
+    return not any(_count(doc, t) for doc in procs for t in schema.SHARD_TABLES if t not in BOOKKEEPING_TABLES)
+
+
+def verdict(closed: bool, procs: list[dict[str, Any]], engine_config: dict[str, Any] | None = None
+            ) -> tuple[str, list[str]]:
+    """(status, problems) of a session: `closed` is whether the command ended cleanly and every process
+    closed its shards (or flushed all it held) and every shard read whole."""
+    problems = session_problems(procs, engine_config)
+    if not closed:
+        return "incomplete", problems
+    if is_empty(procs):
+        return "empty", problems or ["nothing was recorded"]
+    return ("degraded" if problems else "complete"), problems

@@ -24,16 +24,22 @@ def insert_proc(con: duckdb.DuckDBPyConnection, sid: str, proc: dict) -> None:
                                 for name, st in (proc.get("probes") or {}).items() if isinstance(st, dict)])
 
 
-def insert_session(con, sid, session_dir, manifest, procs, status, job_pattern) -> None:
-    """The session's row; `procs` are the processes' proc.json as read already, `job_pattern` as
-    ingest_session resolved it (the user's, else the manifest's)."""
+def engine_config(manifest: dict[str, Any], procs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engine's configuration: the manifest's (merged by `kvtrace record`), else the first process's."""
     engine: dict[str, Any] = {}
     for p in procs:
         cfg = p.get("engine_config") or {}
-        if cfg:
+        if isinstance(cfg, dict) and cfg:
             engine = cfg
             break
-    engine = manifest.get("engine_config") or engine
+    cfg = manifest.get("engine_config")
+    return cfg if isinstance(cfg, dict) and cfg else engine
+
+
+def insert_session(con, sid, session_dir, manifest, procs, status, job_pattern) -> None:
+    """The session's row; `procs` are the processes' proc.json as read already, `job_pattern` as
+    ingest_session resolved it (the user's, else the manifest's)."""
+    engine = engine_config(manifest, procs)
     clock = manifest.get("clock", {})
     command = manifest.get("command")
     con.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [

@@ -16,10 +16,11 @@ from typing import Any
 import duckdb
 
 from kvtrace.format import schema
-from kvtrace.format.session import SessionDir
+from kvtrace.format.session import SessionDir, verdict
 from kvtrace.format.shards import ShardRead, list_shards, loaded_batch, loads_into, read_shard
 from kvtrace.ingest.derive import (
     derive_requests,
+    engine_config,
     insert_proc,
     insert_session,
     job_pattern_groups,
@@ -148,7 +149,8 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
     bar = Progress(f"ingest {session_dir.name}", total, progress)
     rows: dict[str, int] = {t: 0 for t in schema.TABLES}
     issues: list[tuple[str, str, int]] = []
-    incomplete = manifest.get("status") not in ("complete",)
+    # `kvtrace record` said the command ended cleanly and every process closed (whatever was missing).
+    incomplete = manifest.get("status") not in ("complete", "degraded", "empty")
     t0 = time.monotonic()
     restore = _ingest_settings(con, checkpoint)
     con.execute("BEGIN TRANSACTION")
@@ -168,8 +170,12 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
         derive_after = max((i for i, (_, _, shards) in enumerate(shards_by_proc)
                             if any(s.table == "request_events" for s in shards)), default=None)
         inserter = Inserter(con)
+        # Each process's proc.json with the rows actually read from its shards: what the session's
+        # verdict is made of (a killed process's own counts lag, or are missing).
+        loaded: list[dict[str, Any]] = []
         try:
             for i, ((_proc_dir, proc, shards), proc_consts) in enumerate(zip(shards_by_proc, consts)):
+                proc_rows = {t: 0 for t in schema.TABLES}
                 if proc.get("status") not in ("complete", "flushed"):
                     incomplete = True
                 loader = Gather(inserter, proc_consts, keys, undecided)
@@ -178,21 +184,26 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
                 # the inserter had nothing to do).
                 small = [s for s in shards if loads_into(s.table) not in KEYED_TABLES]
                 big = [s for s in shards if loads_into(s.table) in KEYED_TABLES]
-                if _load_shards(small, loader, bar, rows, issues):
+                if _load_shards(small, loader, bar, proc_rows, issues):
                     incomplete = True
                 if i == derive_after:
                     loader.flush()
                     inserter.submit(0, derive_requests, sid, job_pattern)
-                if _load_shards(big, loader, bar, rows, issues):
+                if _load_shards(big, loader, bar, proc_rows, issues):
                     incomplete = True
                 loader.flush()
                 inserter.submit(0, insert_proc, sid, proc)
+                for table, n in proc_rows.items():
+                    rows[table] += n
+                loaded.append({**proc, "rows_written": proc_rows})
             inserter.wait()
         finally:
             inserter.close(cancel=True)  # the connection is this thread's again (for the rest, or ROLLBACK)
-        status = "incomplete" if incomplete else "complete"
-        insert_session(con, sid, session_dir, manifest, [proc for _, proc, _ in shards_by_proc], status, job_pattern)
-        for path, problem, cut in issues:
+        docs = [proc for _, proc, _ in shards_by_proc]
+        status, problems = verdict(not incomplete, loaded, engine_config(manifest, docs))
+        insert_session(con, sid, session_dir, manifest, docs, status, job_pattern)
+        # The session's own problems (file ''), then each shard's.
+        for path, problem, cut in [*(("", problem, 0) for problem in problems), *issues]:
             con.execute("INSERT INTO ingest_issues VALUES (?, ?, ?, ?)", [sid, path, problem, cut])
         con.execute("COMMIT")
     except BaseException:
@@ -205,7 +216,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
     events = sum(rows.values())
     return {"session": sid, "status": status, "rows": rows, "events": events, "seconds": seconds,
             "events_per_s": events / seconds if seconds > 0 else 0.0, "issues": [p for _, p, _ in issues],
-            "probes": probe_report(con, sid)}
+            "problems": problems, "probes": probe_report(con, sid)}
 
 
 def _ingest_settings(con: duckdb.DuckDBPyConnection, checkpoint: bool = True):

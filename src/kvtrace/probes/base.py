@@ -1,10 +1,13 @@
-"""What every probe is: named targets checked before patching, undoable patches, and fault isolation.
+"""What every probe is: named hooks checked before patching, undoable patches, and fault isolation.
 
 A probe must never take vLLM down. Before it patches anything it resolves every target it needs and
-checks the parameters it relies on; a missing or changed target disables the probe (reported in the
-process's `proc.json`, then in the manifest, `ingest` and `summary`) and the run goes on. An exception
-raised by probe code inside a wrapper disables that probe for the rest of the run, is counted and
-recorded, and never reaches vLLM: wrappers always call the original.
+checks the parameters it relies on. Its hooks (`hooks()`) say what it patches; a hook may have several
+variants (the same thing in different vLLM releases or runners: the first variant whose targets all
+exist is used), and may be optional (without it the probe still runs, and records less: it is
+`degraded`, and says what is lost). A required hook with no variant present disables the probe. Either
+way the reason is in the process's `proc.json`, then in the manifest, `ingest` and `summary`, and the
+run goes on. An exception raised by probe code inside a wrapper disables that probe for the rest of the
+run, is counted and recorded, and never reaches vLLM: wrappers always call the original.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import inspect
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtrace.record.recorder import Recorder
 
@@ -49,14 +52,35 @@ def check_params(func: Callable, params: tuple[str, ...], where: str) -> None:
         raise TargetMissing(f"{where}: signature changed, missing parameter(s) {', '.join(missing)}")
 
 
+Target = tuple[str, str, tuple[str, ...]]  # (module, qualname, parameter names the wrapper reads)
+LOST = "*lost"  # the key of Probe.variants that lists what missing optional hooks leave unrecorded
+
+
+class Hook(NamedTuple):
+    """One thing a probe patches. `variants`: alternatives, each a tuple of targets that must all exist;
+    the first whose targets all exist is used (`Probe.variant(name)` says which). Without any, a
+    required hook disables the probe, an optional one only loses `lost` (the probe is `degraded`)."""
+
+    name: str
+    variants: tuple[tuple[Target, ...], ...]
+    required: bool = True
+    lost: str = ""
+
+
 class Probe:
     """A named group of patches that is enabled, disabled or failed as one.
 
-    Subclasses list their targets as (module, qualname, required parameter names) in `targets()` and
-    patch them in `install_patches()` with `self.patch(...)`.
+    Subclasses list what they patch in `hooks()` (or, for hooks of one variant, their targets as
+    (module, qualname, required parameter names) in `targets()`) and patch them in `install_patches()`
+    with `self.patch(...)`, reading `self.variant(name)` for hooks that differ between vLLM versions.
     """
 
     name = "probe"
+    # Hook name -> the variant this process's vLLM has (None: missing), and under LOST what the optional
+    # hooks it lacks leave unrecorded; set on the class by `resolve_hooks` (the same for every instance in
+    # a process). Not an instance attribute: CPython 3.11 keeps at most 29 of those inline, and the
+    # scheduler probe's wrappers read its own on every call.
+    variants: dict[str, Any] = {LOST: []}
 
     def __init__(self, recorder: Recorder, options: dict[str, Any]):
         self.rec = recorder
@@ -65,8 +89,23 @@ class Probe:
         self.faults = 0
         self._patches: list[tuple[Any, str, Any]] = []
 
-    def targets(self) -> list[tuple[str, str, tuple[str, ...]]]:
+    def targets(self) -> list[Target]:
+        """Targets that must all exist (each a required hook of one variant)."""
         return []
+
+    def hooks(self) -> list[Hook]:
+        """Everything the probe patches: `targets()` as required hooks, plus a subclass's own."""
+        return [Hook(f"{module}.{qualname}", (((module, qualname, tuple(params)),),))
+                for module, qualname, params in self.targets()]
+
+    def variant(self, hook: str) -> int | None:
+        """Which variant of `hook` this vLLM has (index into its variants), or None when it has none."""
+        return self.variants.get(hook)
+
+    @property
+    def lost(self) -> list[str]:
+        """What the optional hooks missing in this vLLM leave unrecorded."""
+        return self.variants[LOST]
 
     def install_patches(self) -> None:
         raise NotImplementedError
@@ -89,17 +128,48 @@ class Probe:
         return self.install_now()
 
     def install_now(self) -> bool:
-        """Check every target, then patch. Returns False (and records why) when the probe is off."""
+        """Check every hook, then patch. Returns False (and records why) when the probe is off."""
         extra = self.options.get("extra_targets", {}).get(self.name, [])  # used by drift tests
         try:
-            self.check_targets([*self.targets(), *extra])
+            self.check_targets(extra)
+            self.resolve_hooks()
             self.install_patches()
         except Exception as exc:
             self.give_up(exc)
             return False
         self.enabled = True
-        self.rec.set_probe_status(self.name, "attached")
+        self.mark_attached()
         return True
+
+    def resolve_hooks(self) -> None:
+        """Pick each hook's variant (`self.variants`); TargetMissing for a required hook with none, and
+        what is lost (`self.lost`) for an optional one."""
+        variants: dict[str, Any] = {LOST: []}
+        type(self).variants = variants
+        for hook in self.hooks():
+            why = []
+            for i, targets in enumerate(hook.variants):
+                try:
+                    self.check_targets(targets)
+                except TargetMissing as exc:
+                    why.append(str(exc))
+                    continue
+                variants[hook.name] = i
+                break
+            else:
+                variants[hook.name] = None
+                if hook.required:
+                    raise TargetMissing("; ".join(why))
+                self.lost.append(f"{hook.lost} ({why[0] if len(why) == 1 else ' / '.join(why)})")
+
+    def mark_attached(self) -> None:
+        """Status "attached", or "degraded" with what is lost when an optional hook is missing."""
+        if self.lost:
+            reason = "; ".join(f"not recorded: {what}" for what in self.lost)
+            self.rec.set_probe_status(self.name, "degraded", reason)
+            self.rec.warn(f"probe {self.name} degraded: {reason}")
+        else:
+            self.rec.set_probe_status(self.name, "attached")
 
     @staticmethod
     def check_targets(targets: Any) -> None:

@@ -45,7 +45,10 @@ WITH st AS (SELECT session, count(*) AS n, min(t_start_ns) AS t0, max(t_end_ns) 
      ka AS (SELECT session, count(*) AS n FROM kv_access GROUP BY session),
      dr AS (SELECT session, sum(dropped) AS n FROM drops GROUP BY session),
      pr AS (SELECT session, concat_ws(', ', sort_array(collect_set(concat(probe, ':', status)))) AS names
-            FROM probes WHERE status NOT IN {PROBE_FINE_SQL} GROUP BY session)
+            FROM probes WHERE status NOT IN {PROBE_FINE_SQL} GROUP BY session),
+     ii AS (SELECT session, concat_ws('; ', transform(sort_array(collect_list(struct(file, problem))), x -> x.problem))
+                AS problems
+            FROM ingest_issues GROUP BY session)
 SELECT
     s.session,
     s.status,
@@ -61,7 +64,8 @@ SELECT
     coalesce(ka.n, 0) AS kv_access_records,
     coalesce(dr.n, 0) AS dropped_events,
     pr.names AS probes_disabled,
-    round((st.t1 - st.t0) / 1e9, 3) AS duration_s
+    round((st.t1 - st.t0) / 1e9, 3) AS duration_s,
+    ii.problems AS problems
 FROM sessions s
 LEFT JOIN st ON st.session = s.session
 LEFT JOIN rq ON rq.session = s.session
@@ -71,6 +75,7 @@ LEFT JOIN be ON be.session = s.session
 LEFT JOIN ka ON ka.session = s.session
 LEFT JOIN dr ON dr.session = s.session
 LEFT JOIN pr ON pr.session = s.session
+LEFT JOIN ii ON ii.session = s.session
 {where}
 ORDER BY s.session
 """

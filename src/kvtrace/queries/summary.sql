@@ -1,7 +1,7 @@
 -- name: summary
--- description: Headline counts per session: steps, requests, preemptions, prefix-cache queries and hits, block events, lost rows, disabled probes.
+-- description: Headline counts per session: steps, requests, preemptions, prefix-cache queries and hits, block events, lost rows, disabled probes, and what keeps the session from being complete.
 -- params: session: restrict to one session id (default: all sessions)
--- columns: session, status, steps (count), requests (count), preemptions (count), prefix_query_tokens (tokens, vLLM's prefix_cache_queries), prefix_hit_tokens (tokens, vLLM's prefix_cache_hits), prefix_hit_rate (fraction), block_allocs (blocks), block_frees (blocks), block_evictions (blocks), kv_access_records (count), dropped_events (rows lost, all causes), probes_disabled (names), duration_s (s)
+-- columns: session, status, steps (count), requests (count), preemptions (count), prefix_query_tokens (tokens, vLLM's prefix_cache_queries), prefix_hit_tokens (tokens, vLLM's prefix_cache_hits), prefix_hit_rate (fraction), block_allocs (blocks), block_frees (blocks), block_evictions (blocks), kv_access_records (count), dropped_events (rows lost, all causes), probes_disabled (names), duration_s (s), problems (text: why the status is not complete)
 SELECT
     s.session,
     s.status,
@@ -22,7 +22,9 @@ SELECT
     (SELECT string_agg(DISTINCT probe || ':' || status, ', ') FROM probes p
         WHERE p.session = s.session AND p.status NOT IN ('attached', 'off', 'unused')) AS probes_disabled,
     round((SELECT (max(t_end_ns) - min(t_start_ns)) / 1e9 FROM steps t WHERE t.session = s.session), 3)
-        AS duration_s
+        AS duration_s,
+    (SELECT string_agg(problem, '; ' ORDER BY file, problem) FROM ingest_issues i WHERE i.session = s.session)
+        AS problems
 FROM sessions s
 WHERE $session IS NULL OR s.session = $session
 ORDER BY s.session;

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.errors import KvtraceError
-from kvtrace.format.session import MANIFEST, new_manifest, proc_dirs, read_proc, write_json_atomic
+from kvtrace.format.session import MANIFEST, new_manifest, proc_dirs, read_proc, verdict, write_json_atomic
 from kvtrace.record.signals import request_flush, wait_group_exit
 
 PLUGIN_NAME = "kvtrace"
@@ -67,9 +67,10 @@ def finalize_session(session_dir: Path, exit_code: int | None, note: str | None 
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         manifest = new_manifest([], {})
-    procs, probes, dropped, engine = [], {}, {}, {}
+    procs, probes, dropped, engine, docs = [], {}, {}, {}, []
     for p in proc_dirs(session_dir):
         proc = read_proc(p)
+        docs.append(proc)
         procs.append({k: proc.get(k) for k in ("pid", "role", "rank", "host", "status", "stopped_reason")})
         for name, st in (proc.get("probes") or {}).items():
             probes.setdefault(name, {})[f"{proc.get('role')}:{proc.get('pid')}"] = st
@@ -82,8 +83,10 @@ def finalize_session(session_dir: Path, exit_code: int | None, note: str | None 
                                              128 + signal.SIGTERM)
     # "flushed": the process wrote everything it held when asked, just before it was stopped.
     all_closed = all(p["status"] in ("complete", "flushed") for p in procs)
+    status, problems = verdict(clean and all_closed, docs, engine)
     manifest.update({
-        "status": "complete" if clean and all_closed else "incomplete",
+        "status": status,
+        "problems": problems,
         "exit_code": exit_code,
         "procs": procs,
         "probes": probes,
@@ -155,6 +158,8 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
     manifest = finalize_session(session_dir, code)
     if not quiet:
         print(f"kvtrace: session {session_dir} ({manifest['status']}, exit {code})", file=sys.stderr)
+        for problem in manifest.get("problems") or []:
+            print(f"kvtrace:   {problem}", file=sys.stderr)
     return 128 - code if code < 0 else code  # killed by signal N: exit 128 + N, as a shell does
 
 

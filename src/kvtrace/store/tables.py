@@ -94,8 +94,11 @@ SESSION_TABLES = {
 DERIVED_MEANINGS = {
     "sessions": {
         "session": "session id (manifest `session_id`)", "session_dir": "the directory ingested (absolute)",
-        "status": "complete, or incomplete: a process did not close its shards, a shard was cut, or the "
-                  "session was still being recorded when ingested",
+        "status": "complete (every process closed its shards, nothing lost, every probe attached and recorded), "
+                  "degraded (whole, but a probe did not attach or recorded nothing, or rows were lost: "
+                  "ingest_issues says what), empty (no vLLM process recorded anything), or incomplete (a process "
+                  "did not close its shards, a shard was cut, the command did not end cleanly, or the session "
+                  "was still being recorded when ingested)",
         "schema_version": "the manifest's schema version", "kvtrace_version": "kvtrace that recorded it",
         "vllm_version": "vLLM that ran", "command": "the recorded command line (secret-looking values redacted)",
         "start_utc_ns": "start, UTC (ns)", "start_monotonic_ns": "start, host CLOCK_MONOTONIC (ns)",
@@ -112,14 +115,15 @@ DERIVED_MEANINGS = {
         "role": "api, engine, worker or proc", "host": "host name",
         "status": "running, flushed, complete (closed its shards) or unknown (proc.json missing)",
         "rows_written": "rows written per shard table (JSON; decode_runs counts runs, not the step_requests rows they expand into)",
-        "dropped": "rows lost per table and cause (JSON: ring-wrap, writer-error, buffer-cap, max-size, bad-row)",
+        "dropped": "rows lost per table and cause (JSON: ring-wrap, drain-error, writer-error, buffer-cap, max-size, bad-row)",
         "stopped_reason": "why the process stopped writing (writer-error, max-size), or null"},
     "probes": {
         "session": "session id", "pid": "OS process id", "role": "the process's role",
         "probe": "probe name", "status": "attached, off, unused (its vLLM module never loaded in this process), or why not (disabled, failed, ...)",
         "reason": "the detail, when not attached"},
     "ingest_issues": {
-        "session": "session id", "file": "the shard", "problem": "what ingest found (a cut batch, ...)",
+        "session": "session id", "file": "the shard, or '' for the session as a whole",
+        "problem": "what ingest found (a cut batch, a probe that did not attach, rows lost, ...)",
         "bytes_cut": "bytes after the last complete batch (bytes)"},
     "requests": {
         "session": "session id", "rank": "rank of the engine that served it", "request_id": "vLLM request id",

@@ -142,7 +142,10 @@ class CudaKVAccessRing(KVAccessRing):
             self._current_stream = lambda: torch.cuda.current_stream(self.device).cuda_stream
         self.anchor_interval_s = anchor_interval_s
 
-        with torch.cuda.device(self.index):
+        # Plain tensors, also when the ring is made inside vLLM's torch.inference_mode() (the eager
+        # forward pass): the drain thread updates them in place, outside inference mode, and torch
+        # refuses in-place updates of inference tensors there.
+        with torch.cuda.device(self.index), torch.inference_mode(False):
             fn = _load_kernels(self.index)
             self._f_record, self._f_state, self._f_timer = fn["kv_record"], fn["kv_set_state"], fn["kv_read_timer"]
             # -1 everywhere: lap 0x7FFF, so a slot that was never written never passes for lap 0.
@@ -380,24 +383,39 @@ class CudaKVAccessRing(KVAccessRing):
                 except queue.Empty:
                     break
             snaps = [it for it in items if it[0] == "snap"]
+            heads = None
             try:
                 if snaps:
                     _, slot, done, _ = snaps[-1]
                     self._wait(done)
                     snap = self._snap_host[slot].numpy()
+                    heads = int(snap[ST_SNAP_REC]), int(snap[ST_SNAP_TIM])
                     t0 = time.perf_counter()
-                    self._drain_to(int(snap[ST_SNAP_REC]), int(snap[ST_SNAP_TIM]))
+                    self._drain_to(*heads)
                     self.stats["drain_s"] += time.perf_counter() - t0
                 if time.monotonic() >= next_anchor:
                     self._take_anchor()
                     next_anchor = time.monotonic() + self.anchor_interval_s
-            except Exception as exc:  # never take the process down; say what happened
+            except Exception as exc:  # never take the process down; say what happened, count what is lost
                 self._warn(f"KVAccessRing drain failed: {exc!r}")
+                if heads is not None:
+                    self._lose_to(*heads, cause="drain-error")
             for it in items:
                 if it[3] is not None:
                     it[3].set()
             if any(it[0] == "stop" for it in items):
                 return
+
+    def _lose_to(self, head: int, thead: int, cause: str) -> None:
+        """Count the records not yet drained up to these heads as dropped (`cause`) and move past them:
+        a drain that failed loses them, and says so."""
+        for table, attr, hd in (("kv_access", "_tail", head), ("layer_timings", "_ttail", thead)):
+            tail = getattr(self, attr)
+            if hd > tail:
+                n = hd - tail
+                self.stats["kv_dropped" if table == "kv_access" else "timing_dropped"] += n
+                self.recorder.count_drop(table, n, cause)
+                setattr(self, attr, hd)
 
     def _drain_to(self, head: int, thead: int) -> None:
         """Copy positions [tail, head) of both rings to pinned memory, check, decode, emit."""

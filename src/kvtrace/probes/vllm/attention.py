@@ -1,13 +1,20 @@
 """Attention probe (Worker): per-layer KV reads and writes from the metadata the kernels receive.
 
-Patch points (vLLM 0.32):
-- `GPUModelRunner.execute_model(scheduler_output)` (also the CPU runner's): reads our step id from the
+Patch points (vLLM 0.26 to 0.32):
+- the model runner's `execute_model(scheduler_output)`, in each runner whose module the worker loads:
+  V1 (`vllm/v1/worker/gpu_model_runner.py`, also the CPU runner's base) and V2
+  (`vllm/v1/worker/gpu/model_runner.py`, the default on CUDA). It reads our step id from the
   SchedulerOutput (tagged by the scheduler probe), starts the ring's step, and after the forward pass
-  writes which request sat in which batch row (`batch_slots`), so device records can name requests.
+  writes which request sat in which batch row (`batch_slots`: V1's `input_batch`, V2's
+  `execute_model_state.input_batch`), so device records can name requests. A forward pass without a
+  step id (warm-up, dummy runs) is not recorded. `capture_model` makes the ring before CUDA graphs are
+  captured: its kernels are captured with attention and read the step id from device memory.
 - the module-global `get_attention_context(layer_name)` in `model_executor/layers/attention/attention.py`
   (and the name MLA imported): every attention layer calls it for its KV write and again for its read;
-  on the read call we hand `slot_mapping`, `block_table`, `seq_lens`, `query_start_loc` to the KV access
-  ring (`kvtrace.probes.kv_access.ring`), which records on the device (CUDA, CuPy) or on the CPU.
+  on the read call we hand the layer's slot mapping and the metadata's `block_table`, `seq_lens`,
+  `query_start_loc` to the KV access ring (`kvtrace.probes.kv_access`), which records on the device
+  (CUDA, CuPy) or on the CPU. Metadata without them (FlashInfer's, MLA's) makes the probe
+  `unsupported: <class>`: never `attached` with no rows.
 Never `Attention.forward`: Dynamo traces it (see vllm-hook-map.md).
 """
 
@@ -20,9 +27,22 @@ from kvtrace.probes.base import Probe, TargetMissing
 
 ATTN = "vllm.model_executor.layers.attention.attention"
 MLA = "vllm.model_executor.layers.attention.mla_attention"
-RUNNER = "vllm.v1.worker.gpu_model_runner"
-READ_CALLERS = ("unified_attention_with_output", "unified_attention", "unified_mla_attention_with_output",
-                "unified_mla_attention")
+RUNNER = "vllm.v1.worker.gpu_model_runner"  # V1, and the CPU runner's base class
+RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2, vLLM's default on CUDA
+READ_CALLERS = ("unified_attention_with_output", "unified_mla_attention_with_output")
+
+
+def v1_req_ids(runner: Any) -> Any:
+    return runner.input_batch.req_ids
+
+
+def v2_req_ids(runner: Any) -> Any:
+    state = runner.execute_model_state  # set by execute_model, cleared by sample_tokens
+    return state.input_batch.req_ids if state is not None else ()
+
+
+# module -> (the runner's class, how to read the batch's request ids after execute_model)
+RUNNERS = {RUNNER: ("GPUModelRunner", v1_req_ids), RUNNER_V2: ("GPUModelRunner", v2_req_ids)}
 
 try:
     from kvtrace.probes import nvtx_ranges as _nvtx
@@ -53,9 +73,8 @@ def layer_index(layer_name: str, cache: dict[str, int]) -> int:
 class AttentionProbe(Probe):
     name = "attention"
 
-    # The model runner is patched when its module is imported (probes/imports.py), not at install:
-    # importing it costs ~0.6 s, and only worker processes ever load it.
-    RUNNER_TARGET = (RUNNER, "GPUModelRunner.execute_model", ("scheduler_output",))
+    # The model runners are patched when their modules are imported (probes/imports.py), not at install:
+    # importing one costs ~0.6 s, and only worker processes ever load them.
     # The package: importing it loads ATTN with every other attention module (~0.4 s), in a front end
     # that never runs a layer; asking whether ATTN exists would import the package already.
     defer_until = ATTN.rsplit(".", 1)[0]
@@ -71,6 +90,7 @@ class AttentionProbe(Probe):
         attn_mod = importlib.import_module(ATTN)
         self.ring = None
         self.step = -1
+        self.untagged = 0  # forward passes run without a step id (warm-up, dummy runs): not recorded
         self.slots = self.rec.buffer("batch_slots")
         self.layer_names: dict[str, int] = {}
         self.open_layer_range = False
@@ -79,18 +99,25 @@ class AttentionProbe(Probe):
         sample_every = int(self.options.get("kv_sample_every", 1) or 1)
         probe = self
 
-        def execute_model(orig):
+        def execute_model(orig, req_ids):
             def wrapper(runner, scheduler_output, *args, **kwargs):
                 if not probe.enabled:
                     return orig(runner, scheduler_output, *args, **kwargs)
                 try:
                     probe.rec.role = "worker"
+                    # Our step id, put there by the scheduler probe. A forward pass without one (a
+                    # warm-up or dummy run on fake requests) is run unrecorded: its rows would take the
+                    # ids of real steps.
                     step = getattr(scheduler_output, "_kvtrace_step", None)
-                    probe.step = step if step is not None else probe.step + 1
                     if probe.ring is None:
                         probe.set_rank(runner)
                         probe.ring = probe.make_ring(runner, granularity, layers, sample_every)
-                    probe.ring.begin_step(probe.step)
+                    if step is None:
+                        probe.untagged += 1
+                        probe.ring.begin_step(probe.step, record=False)
+                        return orig(runner, scheduler_output, *args, **kwargs)
+                    probe.step = step
+                    probe.ring.begin_step(step)
                 except Exception as exc:
                     probe.fail(exc)
                     return orig(runner, scheduler_output, *args, **kwargs)
@@ -101,8 +128,7 @@ class AttentionProbe(Probe):
                         probe.nvtx_layer(None)
                 if probe.enabled and scheduler_output.total_num_scheduled_tokens:
                     try:
-                        step = probe.step
-                        probe.slots.extend((step, i, rid) for i, rid in enumerate(runner.input_batch.req_ids))
+                        probe.slots.extend((step, i, rid) for i, rid in enumerate(req_ids(runner)))
                     except Exception as exc:
                         probe.fail(exc)
                 return result
@@ -122,8 +148,16 @@ class AttentionProbe(Probe):
                             probe.maybe_inject_fault()
                             layer = layer_index(layer_name, probe.layer_names)
                             probe.nvtx_layer(layer)
-                            ring.record_layer(layer, meta.slot_mapping, meta.block_table, meta.seq_lens,
+                            # The layer's own slot mapping where vLLM gives one (the fourth value),
+                            # else the metadata's.
+                            slots = result[3] if len(result) > 3 and result[3] is not None else meta.slot_mapping
+                            ring.record_layer(layer, slots, meta.block_table, meta.seq_lens,
                                               getattr(meta, "query_start_loc", None))
+                        except AttributeError as exc:
+                            if hasattr(meta, "block_table") and hasattr(meta, "seq_lens"):
+                                probe.fail(exc)
+                            else:
+                                probe.unsupported(meta)
                         except Exception as exc:
                             probe.fail(exc)
                 return result
@@ -143,14 +177,15 @@ class AttentionProbe(Probe):
             return wrapper
 
         def attach_runner(module: Any) -> None:
-            """Patch the model runner once its module is loaded (in a worker); disable on drift."""
+            """Patch a model runner once its module is loaded (in a worker); disable on drift."""
             if not self._patches:  # uninstalled meanwhile (at install, `enabled` is not yet set)
                 return
+            cls_name, req_ids = RUNNERS[module.__name__]
             try:
-                self.check_targets([self.RUNNER_TARGET])
-                runner_cls = module.GPUModelRunner
-                self.patch(runner_cls, "execute_model", execute_model)
-                if hasattr(runner_cls, "capture_model"):
+                self.check_targets([(module.__name__, f"{cls_name}.execute_model", ("scheduler_output",))])
+                runner_cls = getattr(module, cls_name)
+                self.patch(runner_cls, "execute_model", lambda orig: execute_model(orig, req_ids))
+                if "capture_model" in runner_cls.__dict__ or hasattr(runner_cls, "capture_model"):
                     self.patch(runner_cls, "capture_model", capture_model)
             except Exception as exc:
                 self.give_up(exc)
@@ -162,8 +197,17 @@ class AttentionProbe(Probe):
                 self.patch(mla, "get_attention_context", get_attention_context)
         except Exception:
             pass
-        if not when_imported(RUNNER, attach_runner):
-            raise TargetMissing(f"{RUNNER}: no such module")
+        found = [module for module in RUNNERS if when_imported(module, attach_runner)]
+        if not found:
+            raise TargetMissing(f"no model runner module ({', '.join(RUNNERS)})")
+
+    def unsupported(self, meta: Any) -> None:
+        """The backend's metadata has no block table and sequence lengths to read: say so, and stop
+        trying (the engine is unaffected)."""
+        what = type(meta).__name__
+        self.enabled = False
+        self.rec.set_probe_status(self.name, "unsupported", f"unsupported: {what} has no block_table/seq_lens")
+        self.rec.warn(f"probe {self.name}: attention metadata {what} is not supported; no KV access recorded")
 
     def nvtx_layer(self, layer: int | None) -> None:
         """Per-layer ranges (--nvtx-layers): `kvtrace layer N` runs from layer N's attention read to the

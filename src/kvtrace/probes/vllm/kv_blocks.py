@@ -23,12 +23,13 @@ KVTRACE_NATIVE=0) the methods are wrapped by `exact_wrapper` (the original's own
 CPython keeps specialised calls), and each wrapper makes one call into the log after vLLM's method
 returns. Both make the same rows (tests/unit/record/test_buffers.py).
 
-`prefix_cache` patches `KVCacheManager.record_prefix_cache_stats`, where vLLM counts a lookup (at
-admission, with the tokens the local prefix cache hit): a lookup row is written when vLLM counts it, so
-our totals equal vLLM's `prefix_cache_queries` / `_hits` exactly. The lookup itself
+`prefix_cache` patches where vLLM counts a lookup: `KVCacheManager.record_prefix_cache_stats` (vLLM 0.27
+and later: at admission, with the tokens the local prefix cache hit), or in vLLM 0.26
+`get_computed_blocks`, which counts inside itself. A lookup row is written when vLLM counts it, so our
+totals equal vLLM's `prefix_cache_queries` / `_hits` exactly. From 0.27 the lookup itself
 (`get_computed_blocks`, or `get_computed_blocks_for_connector` with some connectors) is not wrapped: it
-runs for every waiting request vLLM considers, admitted or not, and its hit blocks are the hit tokens
-over group 0's block size (vLLM truncates every group's hit to whole blocks of a common length).
+runs for every waiting request vLLM considers, admitted or not. Hit blocks are the hit tokens over
+group 0's block size (vLLM truncates every group's hit to whole blocks of a common length).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvtrace.probes.base import Probe, after_call, patch_exact, request_lengths_are_fields
+from kvtrace.probes.base import Hook, Probe, after_call, patch_exact, request_lengths_are_fields
 from kvtrace.record.buffers import NATIVE_MISSING, block_hook, block_log, hashes64, native
 from kvtrace.record.context import ctx
 
@@ -140,7 +141,7 @@ class BlockPoolProbe(Probe):
         # Where the native log is in use, a BlockHook (C) stands in for each method instead: the same
         # rows with no Python frame per pool call (see columns.block_hook). Each method whose hook
         # cannot be made (no native module, a parameter it could miss) keeps its Python wrapper.
-        self.hooks = []
+        self.c_hooks = []
         hooked = {
             "get_new_blocks": ("alloc", ()),
             "free_blocks": ("free", ("ordered_blocks",)),
@@ -153,7 +154,7 @@ class BlockPoolProbe(Probe):
             before = self.maybe_inject_fault if env["inject"] and kind == "alloc" else None
             hook = block_hook(kind, getattr(BlockPool, name), log, params, self.take, self.fail, before)
             if hook is not None:
-                self.hooks.append(hook)
+                self.c_hooks.append(hook)
                 self.patch(BlockPool, name, lambda _orig, hook=hook: hook)
                 del bodies[name]
         patch_exact(self, BlockPool, bodies, env)
@@ -163,7 +164,7 @@ class BlockPoolProbe(Probe):
         # (install, fail, uninstall, a benchmark's "disabled" mode). Reads of `probe.enabled` stay plain.
         object.__setattr__(self, name, value)
         if name == "enabled":
-            for hook in getattr(self, "hooks", ()):
+            for hook in getattr(self, "c_hooks", ()):
                 hook.enabled = bool(value)
 
     def take(self) -> None:
@@ -184,11 +185,17 @@ class BlockPoolProbe(Probe):
 class PrefixCacheProbe(Probe):
     name = "prefix_cache"
 
-    def targets(self):
-        return [
-            (KVM, "KVCacheManager.record_prefix_cache_stats", ("request", "num_hits")),
-            (KVM, "KVCacheManager.prefix_cache_lookup_enabled", ("request",)),
-        ]
+    # Where vLLM counts a lookup: 0.27 and later in `record_prefix_cache_stats(request, num_hits)` (after
+    # a connector's match, when it ran a lookup: `prefix_cache_lookup_enabled`); 0.26 inside
+    # `get_computed_blocks(request)`, which returns the hit tokens second.
+    LOOKUP = Hook("lookup", (
+        ((KVM, "KVCacheManager.record_prefix_cache_stats", ("request", "num_hits")),
+         (KVM, "KVCacheManager.prefix_cache_lookup_enabled", ("request",))),
+        ((KVM, "KVCacheManager.get_computed_blocks", ("request",)),),
+    ))
+
+    def hooks(self):
+        return [self.LOOKUP]
 
     def install_patches(self) -> None:
         from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -209,8 +216,7 @@ class PrefixCacheProbe(Probe):
         env = {"probe": probe, "out": out, "sizes": sizes, "block_sizes": block_sizes, "raw_hashes": raw_hashes,
                "hashes64": hashes64, "inject": inject, "lens": lens, "external": external, "_now": _now, "ctx": ctx}
         # The lookup's row, inline in the wrapper: a handler call per lookup cost about as much as the row.
-        patch_exact(self, KVCacheManager, {
-            "record_prefix_cache_stats": after_call("""if {self}.prefix_cache_lookup_enabled(request):  # else vLLM did not count it
+        row = """
                 if inject:
                     probe.maybe_inject_fault()
                 if {self} is not sizes[0]:
@@ -222,8 +228,14 @@ class PrefixCacheProbe(Probe):
                 missed = hashes[num_hits // hash_block:]
                 out.append((_now(), ctx.step, request.request_id, query, num_hits, num_hits // block, full,
                             query - full * hash_block, missed if raw_hashes else list(hashes64(missed)),
-                            external.pop(request.request_id, None), 1 if request.num_preemptions > 0 else 0))"""),
-        }, env)
+                            external.pop(request.request_id, None), 1 if request.num_preemptions > 0 else 0))"""
+        if self.variant("lookup") == 0:
+            patch_exact(self, KVCacheManager, {"record_prefix_cache_stats": after_call(
+                "if {self}.prefix_cache_lookup_enabled(request):  # else vLLM did not count it" + row)}, env)
+        else:  # vLLM 0.26: the same condition, inline; the hits are the second value returned
+            patch_exact(self, KVCacheManager, {"get_computed_blocks": after_call(
+                "if {self}.enable_caching and not request.skip_reading_prefix_cache:\n"
+                "                num_hits = result[1]" + row)}, env)
 
 
 def block_sizes(kvm: Any) -> tuple[int, int]:

@@ -32,6 +32,7 @@ def probe_classes(rec=None) -> list[type]:
 def register() -> None:
     if lifecycle.installed() or not os.environ.get("KVTRACE_SESSION"):
         return
+    rec = None
     try:
         from kvtrace.record.recorder import get_recorder
 
@@ -49,5 +50,9 @@ def register() -> None:
             if probe.install():
                 installed.append(probe)
         lifecycle.install(installed)
-    except Exception as exc:  # never take vLLM down
+    except Exception as exc:  # never take vLLM down; the session says so
         print(f"kvtrace: warning: probes not installed: {exc!r}", file=sys.stderr)
+        try:
+            rec.set_probe_status("plugin", "failed", f"installing the probes: {exc!r}"[:300])
+        except Exception:
+            pass

@@ -1,11 +1,13 @@
 """Scheduler probe (EngineCore): one row per step, one per (step, request) scheduled, request
 lifecycle events, preemptions and holds.
 
-Patch points (vLLM 0.32, `vllm.v1.core.sched.scheduler.Scheduler`): `schedule` (a step starts; its
-output is tagged with our step id so the worker can read it), `update_from_output` (the step ends;
+Patch points (`vllm.v1.core.sched.scheduler.Scheduler`, vLLM 0.26 to 0.32): `schedule` (a step starts;
+its output is tagged with our step id so the worker can read it), `update_from_output` (the step ends;
 first tokens), `add_request` (arrival), `_preempt_request`, `_free_request` (finish, connector holds),
-`_free_blocks` (a held request's blocks are released; wrapped from the first hold on),
-`_handle_blocked_waiting_request` and `KVCacheManager.allocate_slots` (why admission stopped).
+`_free_blocks` (a held request's blocks are released; wrapped from the first hold on), and for why
+admission stopped `KVCacheManager.allocate_slots` with the admission hook (`ADMISSION_HOOK`: vLLM 0.32's
+`_handle_blocked_waiting_request`, or 0.26-0.27's `_select_waiting_queue_for_scheduling` and
+`_try_promote_blocked_waiting_request`; without either the probe runs `degraded`).
 
 Cost: a step schedules up to max_num_seqs requests, so nothing here may do Python work per running
 request beyond its `step_requests` row. Decode rows (the common case) are not tuples: one call per step
@@ -23,7 +25,8 @@ vLLM's calls through them stay specialised.
 there cost ~2.3% of a scheduling step). For the kv-insuf check, the scheduler's `kv_cache_manager`
 attribute is a stand-in (`_AdmissionWatch`) only while a waiting request is being admitted: from
 `_handle_blocked_waiting_request`, which vLLM calls first for every waiting request it considers, until
-that request's allocate_slots has answered (or schedule() returns). Neither an instance attribute on the manager (it stops CPython specialising every
+that request's allocate_slots has answered (or schedule() returns); 0.26-0.27 arm it when the queue
+is picked for the request. Neither an instance attribute on the manager (it stops CPython specialising every
 `kvm.allocate_slots` lookup, see `_AdmissionWatch`) nor `kvm.__dict__` (reading an instance's `__dict__`
 materialises it and slows every attribute access on the object afterwards: CPython 3.11 inline values,
 measured ~2% of a step). See bench/bench_host_probes.py.
@@ -38,6 +41,7 @@ from operator import attrgetter, is_not, methodcaller
 from typing import Any
 
 from kvtrace.probes.base import (
+    Hook,
     Probe,
     after_call,
     before_call,
@@ -59,6 +63,48 @@ except Exception:  # pragma: no cover - the module is optional
     _nvtx = None
 
 
+# The watch stands in for the KVCacheManager from the moment vLLM considers a waiting request until
+# that request's allocate_slots has answered (the watch's own allocate_slots puts the manager back), or
+# schedule() returns. Where it is armed, and how a blocked request is seen, differ between releases:
+ARM_WATCH = """
+        try:
+            kvm = {self}.kv_cache_manager
+            if kvm is probe.watchable or probe.may_watch(kvm):
+                set_watched(probe.watch, kvm)
+                {self}.kv_cache_manager = probe.watch
+                probe.armed = {self}
+        except Exception as exc:
+            probe.fail(exc)"""
+ADMISSION_HOOK = Hook(
+    "admission", (
+        # vLLM 0.32: called first for every waiting request considered; False = skipped as blocked.
+        ((SCHED, "Scheduler._handle_blocked_waiting_request", ("request",)),),
+        # vLLM 0.26-0.27: the queue is picked first for every waiting request considered; a blocked
+        # request is one whose promotion fails.
+        ((SCHED, "Scheduler._select_waiting_queue_for_scheduling", ()),
+         (SCHED, "Scheduler._try_promote_blocked_waiting_request", ("request",))),
+    ),
+    required=False,
+    lost="why admission stopped: kv-insuf and blocked are not told apart from the other reasons")
+ADMISSION_BODIES = (
+    {"_handle_blocked_waiting_request": """
+    ready = {call}
+    if not ready:
+        probe.blocked = True
+    elif probe.armed is None and probe.enabled:""" + ARM_WATCH + """
+    return ready"""},
+    {"_select_waiting_queue_for_scheduling": """
+    queue = {call}
+    if probe.armed is None and probe.enabled:""" + ARM_WATCH + """
+    return queue""",
+     "_try_promote_blocked_waiting_request": """
+    ready = {call}
+    if not ready:
+        probe.blocked = True
+    return ready"""},
+)
+
+
 class SchedulerProbe(Probe):
     name = "scheduler"
 
@@ -70,10 +116,12 @@ class SchedulerProbe(Probe):
             (SCHED, "Scheduler._preempt_request", ("request",)),
             (SCHED, "Scheduler._free_request", ("request",)),
             (SCHED, "Scheduler._free_blocks", ("request",)),
-            (SCHED, "Scheduler._handle_blocked_waiting_request", ("request",)),
             ("vllm.v1.engine.core", "EngineCore.shutdown", ()),
             (KVM, "KVCacheManager.allocate_slots", ("request", "num_new_tokens")),
         ]
+
+    def hooks(self):
+        return [*super().hooks(), ADMISSION_HOOK]
 
     def install_patches(self) -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -240,25 +288,10 @@ class SchedulerProbe(Probe):
             probe.fail(exc)
     return result""",
             "_free_request": after_call("probe.on_finished({self}, request)"),
-            # vLLM calls this first for every waiting request it considers admitting, before that
-            # request's allocate_slots: from here until that allocate_slots answers, watch it.
-            "_handle_blocked_waiting_request": """
-    ready = {call}
-    if not ready:
-        probe.blocked = True
-    elif probe.armed is None and probe.enabled:
-        try:
-            # The watch stands in for the manager until this request's allocate_slots has answered
-            # (the watch's own allocate_slots puts the manager back), or schedule() returns.
-            kvm = {self}.kv_cache_manager
-            if kvm is probe.watchable or probe.may_watch(kvm):
-                set_watched(probe.watch, kvm)
-                {self}.kv_cache_manager = probe.watch
-                probe.armed = {self}
-        except Exception as exc:
-            probe.fail(exc)
-    return ready""",
         }, env)
+        admission = self.variant(ADMISSION_HOOK.name)
+        if admission is not None:
+            patch_exact(self, Scheduler, ADMISSION_BODIES[admission], env)
 
     def wrapper_env(self) -> dict:
         """The names the Scheduler wrappers' bodies use besides vLLM's parameters."""
