@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test demo test lint bench schema-doc
+.PHONY: setup setup-test demo test test-versions lint bench schema-doc
 
 setup:
 	bash scripts/setup.sh
@@ -13,8 +13,19 @@ setup-test:
 demo: setup
 	$(VENV)/bin/kvtrace demo -o demo
 
+# Other releases of vLLM's CPU build: the real-engine exactness tests run on each, in its own venv.
+VLLM_VERSIONS ?= 0.27.0 0.30.0
+
 test: setup-test
 	$(PY) -m pytest -q -rs
+	$(MAKE) test-versions
+
+test-versions:
+	@for v in $(VLLM_VERSIONS); do \
+		echo "== vLLM $$v: the exactness tests" >&2; \
+		KVTRACE_VENV=$(VENV)-$$v KVTRACE_VLLM=$$v bash scripts/setup.sh --test || exit 1; \
+		$(VENV)-$$v/bin/python -m pytest -q -rs -m exactness tests/integration || exit 1; \
+	done
 
 lint:
 	$(VENV)/bin/ruff check src tests bench scripts

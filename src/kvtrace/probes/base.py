@@ -95,8 +95,7 @@ class Probe:
 
     def hooks(self) -> list[Hook]:
         """Everything the probe patches: `targets()` as required hooks, plus a subclass's own."""
-        return [Hook(f"{module}.{qualname}", (((module, qualname, tuple(params)),),))
-                for module, qualname, params in self.targets()]
+        return [Hook(qualname, (((module, qualname, tuple(params)),),)) for module, qualname, params in self.targets()]
 
     def variant(self, hook: str) -> int | None:
         """Which variant of `hook` this vLLM has (index into its variants), or None when it has none."""

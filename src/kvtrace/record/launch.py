@@ -109,8 +109,12 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
     """Run `command` with recording on; returns the exit status to leave with (the child's)."""
     if not command:
         raise KvtraceError("nothing to record: give a command after --, e.g. kvtrace record -- vllm serve MODEL")
-    session_dir, _ = prepare_session(out_dir, command, options)
+    session_dir, manifest = prepare_session(out_dir, command, options)
     env = session_env(session_dir, options)
+    if not quiet:
+        version = manifest.get("vllm_version")
+        print(f"kvtrace: recording into {session_dir} (vLLM {version or 'not found in this environment'}; "
+              f"`kvtrace doctor` says what it will record)", file=sys.stderr, flush=True)
     child: subprocess.Popen | None = None
     interrupts = 0
     early: list[int] = []  # signals that came before the command started

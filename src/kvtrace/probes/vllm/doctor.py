@@ -1,0 +1,113 @@
+"""What kvtrace will record with the vLLM installed here, without starting an engine (`kvtrace doctor`).
+
+Every probe of `PROBES` checks its hooks against the imported vLLM exactly as it does when it installs
+(`Probe.resolve_hooks`), without patching anything. The attention probe's model runners, which it
+patches only once a worker imports them, are checked here too (`RUNNER_HOOK`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from typing import Any
+
+from kvtrace.probes.base import Hook, Probe, TargetMissing
+from kvtrace.probes.vllm import PROBES
+from kvtrace.probes.vllm.attention import RUNNER, RUNNER_V2
+
+# The attention probe needs one model runner: V2 (CUDA's default) or V1 (the CPU build's base).
+RUNNER_HOOK = Hook("model runner", (
+    ((RUNNER_V2, "GPUModelRunner.execute_model", ("scheduler_output",)),),
+    ((RUNNER, "GPUModelRunner.execute_model", ("scheduler_output",)),),
+))
+RUNNER_NAMES = ("V2 (vllm/v1/worker/gpu/model_runner.py)", "V1 (vllm/v1/worker/gpu_model_runner.py)")
+
+
+class _Checker:
+    """The recorder a probe is made with here: it keeps the statuses, writes nothing."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, tuple[str, str]] = {}
+        self.rank = 0
+
+    def set_probe_status(self, name: str, status: str, reason: str = "") -> None:
+        self.status[name] = (status, reason)
+
+    def warn(self, message: str) -> None:
+        pass
+
+
+def vllm_version() -> str | None:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", None) or "unknown")
+    except Exception:
+        return None
+
+
+def check() -> dict[str, Any]:
+    """{"vllm": version or None, "probes": [{"probe", "status", "hooks": [{"hook", "status", "detail"}]}],
+    "ok": every probe's required hooks present}. What vLLM prints while it is imported goes to stderr:
+    stdout is the report's."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return _check()
+
+
+def _check() -> dict[str, Any]:
+    version = vllm_version()
+    report: dict[str, Any] = {"vllm": version, "probes": [], "ok": version is not None}
+    if version is None:
+        report["error"] = "vLLM is not importable in this Python environment"
+        return report
+    for module, name in PROBES:
+        entry: dict[str, Any] = {"probe": name, "hooks": []}
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except Exception as exc:
+            entry.update(probe=module.rsplit(".", 1)[-1], status="failed", detail=f"import: {exc!r}")
+            report["probes"].append(entry)
+            report["ok"] = False
+            continue
+        probe: Probe = cls(_Checker(), {})
+        entry["probe"] = probe.name
+        hooks = list(probe.hooks()) + ([RUNNER_HOOK] if probe.name == "attention" else [])
+        required_missing = False
+        for hook in hooks:
+            chosen, why = None, []
+            for i, targets in enumerate(hook.variants):
+                try:
+                    probe.check_targets(targets)
+                except TargetMissing as exc:
+                    why.append(str(exc))
+                    continue
+                chosen = i
+                break
+            if chosen is not None:
+                variant = RUNNER_NAMES[chosen] if hook is RUNNER_HOOK else (
+                    "via " + ", ".join(q for _, q, _ in hook.variants[chosen]) if len(hook.variants) > 1 else "")
+                entry["hooks"].append({"hook": hook.name, "status": "attached", "detail": variant})
+            elif hook.required:
+                required_missing = True
+                entry["hooks"].append({"hook": hook.name, "status": "missing", "detail": "; ".join(why)})
+            else:
+                entry["hooks"].append({"hook": hook.name, "status": "degraded",
+                                       "detail": f"not recorded: {hook.lost} ({'; '.join(why)})"})
+        if required_missing:
+            entry["status"] = "unsupported"
+            report["ok"] = False
+        elif any(h["status"] == "degraded" for h in entry["hooks"]):
+            entry["status"] = "degraded"
+        else:
+            entry["status"] = "attached"
+        report["probes"].append(entry)
+    return report
+
+
+def verdict_line(report: dict[str, Any]) -> str:
+    """One line: the vLLM version and each probe's status."""
+    if report["vllm"] is None:
+        return f"kvtrace doctor: {report.get('error')}"
+    parts = ", ".join(f"{p['probe']} {p.get('status')}" for p in report["probes"])
+    return f"vLLM {report['vllm']}: {parts}"
