@@ -111,10 +111,6 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
         raise KvtraceError("nothing to record: give a command after --, e.g. kvtrace record -- vllm serve MODEL")
     session_dir, manifest = prepare_session(out_dir, command, options)
     env = session_env(session_dir, options)
-    if not quiet:
-        version = manifest.get("vllm_version")
-        print(f"kvtrace: recording into {session_dir} (vLLM {version or 'not found in this environment'}; "
-              f"`kvtrace doctor` says what it will record)", file=sys.stderr, flush=True)
     child: subprocess.Popen | None = None
     interrupts = 0
     early: list[int] = []  # signals that came before the command started
@@ -146,6 +142,10 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
             raise KvtraceError(f"{command[0]}: command not found") from None
         except PermissionError:
             raise KvtraceError(f"{command[0]}: permission denied") from None
+        if not quiet:  # once it runs: a command that cannot start gets its one-line error alone
+            version = manifest.get("vllm_version")
+            print(f"kvtrace: recording into {session_dir} (vLLM {version or 'not found in this environment'}; "
+                  f"`kvtrace doctor` says what it will record)", file=sys.stderr, flush=True)
         if early:  # a signal came while it was starting
             os.killpg(child.pid, early[-1])
         while True:
