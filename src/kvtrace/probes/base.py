@@ -67,6 +67,20 @@ class Hook(NamedTuple):
     lost: str = ""
 
 
+def pick_variant(hook: Hook) -> tuple[int | None, list[str]]:
+    """(index of the first variant of `hook` whose targets all exist here, or None; why each variant
+    before it, or every variant, is missing)."""
+    why = []
+    for i, targets in enumerate(hook.variants):
+        try:
+            Probe.check_targets(targets)
+        except TargetMissing as exc:
+            why.append(str(exc))
+            continue
+        return i, why
+    return None, why
+
+
 class Probe:
     """A named group of patches that is enabled, disabled or failed as one.
 
@@ -146,20 +160,11 @@ class Probe:
         variants: dict[str, Any] = {LOST: []}
         type(self).variants = variants
         for hook in self.hooks():
-            why = []
-            for i, targets in enumerate(hook.variants):
-                try:
-                    self.check_targets(targets)
-                except TargetMissing as exc:
-                    why.append(str(exc))
-                    continue
-                variants[hook.name] = i
-                break
-            else:
-                variants[hook.name] = None
+            variants[hook.name], why = pick_variant(hook)
+            if variants[hook.name] is None:
                 if hook.required:
                     raise TargetMissing("; ".join(why))
-                self.lost.append(f"{hook.lost} ({why[0] if len(why) == 1 else ' / '.join(why)})")
+                self.lost.append(f"{hook.lost} ({' / '.join(why)})")
 
     def mark_attached(self) -> None:
         """Status "attached", or "degraded" with what is lost when an optional hook is missing."""

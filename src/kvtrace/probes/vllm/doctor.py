@@ -12,7 +12,7 @@ import importlib
 import sys
 from typing import Any
 
-from kvtrace.probes.base import Hook, Probe, TargetMissing
+from kvtrace.probes.base import Hook, Probe, pick_variant
 from kvtrace.probes.vllm import PROBES
 from kvtrace.probes.vllm.attention import RUNNER, RUNNER_V2
 
@@ -75,15 +75,7 @@ def _check() -> dict[str, Any]:
         hooks = list(probe.hooks()) + ([RUNNER_HOOK] if probe.name == "attention" else [])
         required_missing = False
         for hook in hooks:
-            chosen, why = None, []
-            for i, targets in enumerate(hook.variants):
-                try:
-                    probe.check_targets(targets)
-                except TargetMissing as exc:
-                    why.append(str(exc))
-                    continue
-                chosen = i
-                break
+            chosen, why = pick_variant(hook)
             if chosen is not None:
                 variant = RUNNER_NAMES[chosen] if hook is RUNNER_HOOK else (
                     "via " + ", ".join(q for _, q, _ in hook.variants[chosen]) if len(hook.variants) > 1 else "")
