@@ -145,6 +145,23 @@ def test_missing_probe_target_is_reported_and_run_goes_on(tiny_model, tmp_path):
     assert steps > 0 and blocks == 0
     summary = json.loads(run_kvtrace("query", str(run["db"]), "summary", "--format", "json").stdout)[0]
     assert "kv_blocks:disabled" in summary["probes_disabled"]
+    # Not complete: the session says what is missing, in the manifest and in the summary.
+    assert manifest["status"] == summary["status"] == "degraded"
+    assert any("probe kv_blocks" in p and "no_such_method" in p for p in manifest["problems"])
+    assert "probe kv_blocks" in summary["problems"] and "no_such_method" in summary["problems"]
+
+
+def test_attention_without_step_ids_says_so_rather_than_recording_nothing(tiny_model, tmp_path):
+    """With the scheduler probe off, the worker's forward passes carry no step id: the attention probe
+    records none of them (their rows would take made-up step ids), and says why."""
+    run = record_workload(tmp_path, "untagged", tiny_model, ["--jobs", "2", "--turns", "1"],
+                          ["--probes", "attention"])
+    manifest = json.loads((run["session"] / "manifest.json").read_text())
+    assert manifest["status"] == "empty"
+    assert any(p.startswith("probe attention (worker pid ") and "forward passes had no step id" in p
+               for p in manifest["problems"]), manifest["problems"]
+    (rows,), = q(run["db"], "select count(*) from kv_access")
+    assert rows == 0
 
 
 def _free_port() -> int:

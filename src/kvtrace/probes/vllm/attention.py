@@ -262,3 +262,8 @@ class AttentionProbe(Probe):
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close()
+        if getattr(self, "untagged", 0) and self.step < 0 and self.enabled:
+            # Forward passes ran, none with a step id: the scheduler probe did not tag them (off, or not
+            # attached in the engine), so nothing could be recorded under a step. Said, not hidden.
+            self.rec.set_probe_status(self.name, "degraded", f"not recorded: {self.untagged} forward passes had "
+                                      "no step id from the scheduler probe (is it on and attached?)")
