@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test demo test test-versions lint bench schema-doc
+.PHONY: setup setup-test demo test test-versions lint bench schema-doc support-doc
 
 setup:
 	bash scripts/setup.sh
@@ -35,3 +35,6 @@ bench:
 
 schema-doc:
 	$(PY) -m kvtrace.store.schema_doc > docs/schema.md
+
+support-doc:
+	$(PY) -m kvtrace.probes.vllm.source --table tests/data/vllm_skeletons/*.json > docs/vllm-support.md

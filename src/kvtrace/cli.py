@@ -359,17 +359,21 @@ def demo(out, num_requests) -> None:
 
 @cli.command(context_settings=CONTEXT)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
-def doctor(fmt) -> None:
+@click.option("--source", default=None, type=click.Path(exists=True),
+              help="Check another vLLM release's source instead of the installed one: a wheel, a folder "
+              "holding vllm/, or a skeleton .json (it is not imported).")
+def doctor(fmt, source) -> None:
     """Say what kvtrace will record with the vLLM installed here, without starting an engine: per probe
     and hook, attached, degraded (what is lost) or missing. Exits 1 when a probe cannot attach.
 
     \b
     kvtrace doctor
     kvtrace doctor --format json
+    kvtrace doctor --source vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
     """
     from kvtrace.probes.vllm.doctor import check, verdict_line
 
-    report = check()
+    report = check(source)
     if fmt == "json":
         click.echo(json.dumps(report, indent=1))
     else:

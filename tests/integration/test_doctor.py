@@ -4,6 +4,7 @@ vLLM's code it takes, and the exit status says whether every probe can attach.""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,13 @@ def test_the_table_says_the_same_in_one_line_per_hook():
     out = run_kvtrace("doctor").stdout.splitlines()
     assert out[0].startswith("vLLM ") and out[0].endswith("engine_stop attached")
     assert any(line.split()[:2] == ["scheduler", "admission"] for line in out[1:])
+
+
+def test_the_source_check_agrees_with_the_import_check(report, tmp_path):
+    """Read unimported from the installed vLLM's own files, every probe and hook comes out the same."""
+    import vllm
+
+    source = json.loads(run_kvtrace("doctor", "--format", "json", "--source",
+                                    str(Path(vllm.__file__).parents[1])).stdout)
+    assert source["vllm"] == f"{vllm.__version__} (source)"
+    assert source["probes"] == report["probes"]

@@ -67,13 +67,15 @@ class Hook(NamedTuple):
     lost: str = ""
 
 
-def pick_variant(hook: Hook) -> tuple[int | None, list[str]]:
+def pick_variant(hook: Hook, check_targets: Callable[[Any], None] | None = None) -> tuple[int | None, list[str]]:
     """(index of the first variant of `hook` whose targets all exist here, or None; why each variant
-    before it, or every variant, is missing)."""
+    before it, or every variant, is missing). `check_targets` raises TargetMissing for targets that are
+    not there (default: `Probe.check_targets`, on the imported vLLM)."""
+    check = check_targets or Probe.check_targets
     why = []
     for i, targets in enumerate(hook.variants):
         try:
-            Probe.check_targets(targets)
+            check(targets)
         except TargetMissing as exc:
             why.append(str(exc))
             continue

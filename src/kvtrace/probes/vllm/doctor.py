@@ -47,38 +47,46 @@ def vllm_version() -> str | None:
         return None
 
 
-def check() -> dict[str, Any]:
+def probe_hooks() -> list[tuple[str, list[Hook]]]:
+    """(probe name, its hooks) for every probe of `PROBES`, the attention probe's model runner included.
+    Made without a recorder or vLLM: hooks are the probes' declarations."""
+    out = []
+    for module, name in PROBES:
+        probe: Probe = getattr(importlib.import_module(module), name)(_Checker(), {})
+        out.append((probe.name, list(probe.hooks()) + ([RUNNER_HOOK] if probe.name == "attention" else [])))
+    return out
+
+
+def check(source: str | None = None) -> dict[str, Any]:
     """{"vllm": version or None, "probes": [{"probe", "status", "hooks": [{"hook", "status", "detail"}]}],
-    "ok": every probe's required hooks present}. What vLLM prints while it is imported goes to stderr:
-    stdout is the report's."""
+    "ok": every probe's required hooks present}: against the imported vLLM, or, with `source` (a wheel,
+    a folder holding vllm/, or a skeleton .json), against its source, unimported (probes/vllm/source.py).
+    What vLLM prints while it is imported goes to stderr: stdout is the report's."""
     with contextlib.redirect_stdout(sys.stderr):
-        return _check()
+        if source is not None:
+            from kvtrace.probes.vllm.source import VllmSource
+
+            tree = VllmSource(source)
+            return _check(f"{tree.version} (source)", tree.check_targets)
+        return _check(vllm_version(), Probe.check_targets)
 
 
-def _check() -> dict[str, Any]:
-    version = vllm_version()
+def _check(version: str | None, check_targets) -> dict[str, Any]:
     report: dict[str, Any] = {"vllm": version, "probes": [], "ok": version is not None}
     if version is None:
         report["error"] = "vLLM is not importable in this Python environment"
         return report
-    for module, name in PROBES:
+    for name, hooks in probe_hooks():
         entry: dict[str, Any] = {"probe": name, "hooks": []}
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except Exception as exc:
-            entry.update(probe=module.rsplit(".", 1)[-1], status="failed", detail=f"import: {exc!r}")
-            report["probes"].append(entry)
-            report["ok"] = False
-            continue
-        probe: Probe = cls(_Checker(), {})
-        entry["probe"] = probe.name
-        hooks = list(probe.hooks()) + ([RUNNER_HOOK] if probe.name == "attention" else [])
         required_missing = False
         for hook in hooks:
-            chosen, why = pick_variant(hook)
-            if chosen is not None:
-                variant = RUNNER_NAMES[chosen] if hook is RUNNER_HOOK else (
-                    "via " + ", ".join(q for _, q, _ in hook.variants[chosen]) if len(hook.variants) > 1 else "")
+            chosen, why = pick_variant(hook, check_targets)
+            if chosen is not None and hook is RUNNER_HOOK:  # which runners this vLLM has, V2 first
+                variant = ", ".join(name for name, targets in zip(RUNNER_NAMES, hook.variants)
+                                    if pick_variant(Hook(hook.name, (targets,)), check_targets)[0] is not None)
+                entry["hooks"].append({"hook": hook.name, "status": "attached", "detail": variant})
+            elif chosen is not None:
+                variant = "via " + ", ".join(q for _, q, _ in hook.variants[chosen]) if len(hook.variants) > 1 else ""
                 entry["hooks"].append({"hook": hook.name, "status": "attached", "detail": variant})
             elif hook.required:
                 required_missing = True
