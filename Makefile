@@ -37,4 +37,4 @@ schema-doc:
 	$(PY) -m kvtrace.store.schema_doc > docs/schema.md
 
 support-doc:
-	$(PY) -m kvtrace.probes.vllm.source --table tests/data/vllm_skeletons/*.json > docs/vllm-support.md
+	$(PY) -m kvtrace.probes.vllm.doctor --table tests/data/vllm_skeletons/*.json > docs/vllm-support.md

@@ -12,8 +12,8 @@ import pytest
 
 from kvtrace.errors import KvtraceError
 from kvtrace.probes.base import TargetMissing
-from kvtrace.probes.vllm.doctor import check
-from kvtrace.probes.vllm.source import VllmSource, table
+from kvtrace.probes.vllm.doctor import check, table
+from kvtrace.probes.vllm.source import VllmSource
 
 REPO = Path(__file__).resolve().parents[3]
 SKELETONS = sorted((REPO / "tests" / "data" / "vllm_skeletons").glob("*.json"))
