@@ -10,9 +10,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DATA = REPO / "tests" / "data"
-NSYS_FIXTURES = DATA / "nsys"  # real Nsight Systems exports, copied in with their provenance
-HELPERS = Path(__file__).resolve().parent
 JOB_PATTERN = r"job(?P<job>\d+)-turn(?P<turn>\d+)"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -109,7 +109,7 @@ def _export_db(db: Path, out: Path, scratch: Path, meta: dict[str, Any], from_di
 def _session_tables(con: duckdb.DuckDBPyConnection) -> dict[str, list[list[str]]]:
     """The database's tables that have a `session` column, with their columns ([name, type]). Views
     (the Nsight ones derived from tables) are not exported: `open_dataset` makes them again; the views
-    of the keyed tables (`duckdb_load.KEYED_TABLES`) are, as they are how those tables are read."""
+    of the keyed tables (`kvtrace.store.tables.KEYED_TABLES`) are, as they are how those tables are read."""
     from kvtrace.store.tables import KEYED_TABLES
 
     rows = con.execute("""SELECT c.table_name, c.column_name, c.data_type FROM information_schema.columns c

@@ -2,7 +2,7 @@
 
    The native twin of record/buffers.py (read that first: it is the reference, with the same classes,
    methods and rows). Used where this extension builds and imports; the probes fall back to the Python
-   classes otherwise, and tests/test_columns.py checks that both give the same rows.
+   classes otherwise, and tests/unit/record/test_buffers.py checks that both give the same rows.
 
    Why it exists: per block-pool call, the Python path spends ~1-3 us naming the request from the
    caller's frame (f_locals builds a dict of every local), appending to ten lists, and converting
@@ -285,7 +285,7 @@ static inline PyObject *slot_get_lazy(SlotRef *r, PyObject *obj, PyObject *name)
 }
 
 /* Which argument of a code object names the request: the index of `request_id`, else of `request`,
-   among its arguments (never other locals: see caller_request_id in columns.py). A small table keyed
+   among its arguments (never other locals: see caller_request_id in buffers.py). A small table keyed
    by the code object's address, holding a reference so the address cannot be reused. */
 #if defined(KVT_FRAMES_311) || defined(KVT_FRAMES_PUBLIC)
 #define ARG_CACHE 64
@@ -879,7 +879,7 @@ static PyTypeObject BlockLogType = {
    a method descriptor (so vLLM's `pool.touch(blocks)` stays a method call with no bound method made)
    whose call calls vLLM's function, then writes the row through the BlockLog functions above, with no
    Python frame of its own. It reads vLLM's parameters by position or by keyword (their positions come
-   from the original's signature, columns.block_hook) and passes every argument on as given.
+   from the original's signature, buffers.block_hook) and passes every argument on as given.
 
    Like the Python wrappers (kv_blocks.py), which remain where this does not build: vLLM's own errors
    propagate; an error of the log's hands the exception to `on_error` (Probe.fail, which switches the
@@ -1176,7 +1176,7 @@ static PyTypeObject BlockHookType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtrace.probes._columns.BlockHook",
     .tp_basicsize = sizeof(BlockHook),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
-    .tp_doc = "a BlockPool method that records block_events rows in C (see columns.block_hook)",
+    .tp_doc = "a BlockPool method that records block_events rows in C (see buffers.block_hook)",
     .tp_new = BlockHook_new,
     .tp_dealloc = (destructor)BlockHook_dealloc,
     .tp_traverse = (traverseproc)BlockHook_traverse,

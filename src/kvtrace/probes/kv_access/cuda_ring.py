@@ -117,7 +117,7 @@ def _load_kernels(device_index: int) -> dict[str, int]:
 
 
 class CudaKVAccessRing(KVAccessRing):
-    """The device ring (see the module docstrings). Construct through `kv_ring.make_ring`."""
+    """The device ring (see the module docstrings). Construct through `kvtrace.probes.kv_access.make_ring`."""
 
     backend = "cuda"
 

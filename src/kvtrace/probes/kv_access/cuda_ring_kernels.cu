@@ -42,7 +42,7 @@
 
 typedef unsigned long long u64;
 
-struct RecordArgs {           // passed by value; mirrored by ctypes in device_ring.py (same order)
+struct RecordArgs {           // passed by value; mirrored by ctypes in cuda_ring.py (same order)
     long long* state;
     int4* ring;               // capacity x 2 int4
     int4* tring;              // timing capacity x 2 int4

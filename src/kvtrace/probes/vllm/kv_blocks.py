@@ -139,7 +139,7 @@ class BlockPoolProbe(Probe):
         }
         bodies = {name: body.replace("{hash}", hash_attr) for name, body in bodies.items()}
         # Where the native log is in use, a BlockHook (C) stands in for each method instead: the same
-        # rows with no Python frame per pool call (see columns.block_hook). Each method whose hook
+        # rows with no Python frame per pool call (see buffers.block_hook). Each method whose hook
         # cannot be made (no native module, a parameter it could miss) keeps its Python wrapper.
         self.c_hooks = []
         hooked = {

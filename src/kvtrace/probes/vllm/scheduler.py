@@ -14,7 +14,7 @@ request beyond its `step_requests` row. Decode rows (the common case) are not tu
 hands the SchedulerOutput's own lists to a `DecodeLog` (record/buffers.py, native in `_columns.c` where
 it builds), which keeps them as runs (a request's consecutive decode steps: one `decode_runs` row
 each, ~20x fewer rows than one per step; ingest expands them into step_requests) and hands them to the
-recorder as one RecordBatch every ~1 s (columns.FLUSH_NS): no object per row, no garbage collections they would
+recorder as one RecordBatch every ~1 s (buffers.FLUSH_NS): no object per row, no garbage collections they would
 trigger, no transposition by the writer. Only
 requests in a prefill (new, resumed, or whose prompt is still being chunked: `prefill_chunks`) take the
 per-request path. `update_from_output` looks only at the requests whose prefill completed in that step
