@@ -66,7 +66,9 @@ def run_demo(out: Path, num_requests: int = 24) -> dict:
     export_html(db, html)
     _say(f"done in {time.monotonic() - t0:.0f} s")
     print(f"\nsession:  {session}\ndatabase: {db}\nviewer:   {html}  (open it in a browser; no network needed)"
-          f"\nvLLM log: {log}\nnext:     kvtrace query {db} --list")
+          f"\nvLLM log: {log}\nnext:     kvtrace query {db} --list"
+          f"\n          (kvtrace is in {Path(sys.executable).parent}: `source {Path(sys.executable).parent}/activate` "
+          f"puts it on the PATH)")
     return {"session": session, "db": db, "html": html}
 
 

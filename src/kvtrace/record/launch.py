@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtrace.errors import KvtraceError
 from kvtrace.format.session import MANIFEST, new_manifest, proc_dirs, read_proc, verdict, write_json_atomic
-from kvtrace.record.signals import request_flush, wait_group_exit
+from kvtrace.record.signals import descendants, request_flush, wait_group_exit
 
 PLUGIN_NAME = "kvtrace"
 
@@ -182,6 +182,11 @@ def session(out_dir: str | os.PathLike, **options: Any) -> Iterator[Path]:
         with kvtrace.session("run1"):
             llm = LLM(model=...)   # engine processes started here are recorded
             llm.generate(...)
+
+    At the end of the block the session is made whole, though the engines live on (the script keeps its
+    LLM): every recording process started from this one writes what it holds (as on Ctrl-C under
+    `kvtrace record`), this process's own recording is closed, and the manifest is finalised. What the
+    engines do after the block is not part of the session.
     """
     session_dir, _ = prepare_session(out_dir, [sys.argv[0] if sys.argv else "python", "(in-process)"],
                                      options)
@@ -200,4 +205,23 @@ def session(out_dir: str | os.PathLike, **options: Any) -> Iterator[Path]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _close_in_process(session_dir)
         finalize_session(session_dir, code)
+
+
+def _close_in_process(session_dir: Path) -> None:
+    """The engines started from this process write what they hold (SIGUSR2, waited for), and this
+    process's own recorder of `session_dir`, if vLLM's plugin made one here, is closed and forgotten."""
+    others = descendants({os.getpid()}) - {os.getpid()}
+    if others:
+        request_flush(session_dir, timeout_s=10.0, pids=others)
+    from kvtrace.record import recorder  # only now: a script that records nothing never loads pyarrow
+
+    rec = recorder._recorder
+    if rec is not None and rec.session_dir == session_dir:
+        for hook in list(recorder._flush_hooks):  # the probes' held rows first, as on a signalled flush
+            try:
+                hook()
+            except Exception:
+                pass
+        rec.close()  # (the probes of this process stay bound to it: one session per script process)

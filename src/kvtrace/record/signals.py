@@ -86,3 +86,21 @@ def proc_stats() -> Iterator[tuple[int, list[bytes]]]:
                 yield int(entry), f.read().rsplit(b")", 1)[1].split()  # comm may hold spaces and ")"
         except (OSError, IndexError):
             continue
+
+
+def descendants(pids: set[int]) -> set[int]:
+    """`pids` and every process below them (workers are the engine's children), from /proc."""
+    children: dict[int, list[int]] = {}
+    try:
+        for pid, fields in proc_stats():
+            if len(fields) > 1:
+                children.setdefault(int(fields[1]), []).append(pid)
+    except OSError:
+        return set(pids)  # no /proc: the processes vLLM named are all there is
+    found, todo = set(pids), list(pids)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found

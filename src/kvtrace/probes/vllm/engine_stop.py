@@ -23,24 +23,6 @@ ENGINE_UTILS = "vllm.v1.engine.utils"
 FLUSH_WAIT_S = 2.0  # seconds the stop may be delayed, at most, while the engines flush
 
 
-def descendants(pids: set[int]) -> set[int]:
-    """`pids` and every process below them (workers are the engine's children), from /proc."""
-    from kvtrace.record.signals import proc_stats
-
-    children: dict[int, list[int]] = {}
-    try:
-        for pid, fields in proc_stats():
-            if len(fields) > 1:
-                children.setdefault(int(fields[1]), []).append(pid)
-    except OSError:
-        return set(pids)  # no /proc: the processes vLLM named are all there is
-    found, todo = set(pids), list(pids)
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 class EngineStopProbe(Probe):
@@ -69,7 +51,7 @@ class EngineStopProbe(Probe):
         self.patch(module, "shutdown", make)
 
     def flush_before_stop(self, procs: Any) -> None:
-        from kvtrace.record.signals import request_flush
+        from kvtrace.record.signals import descendants, request_flush
 
         pids = {p.pid for p in procs if p.pid is not None and p.is_alive()}
         if pids:
