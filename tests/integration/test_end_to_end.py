@@ -155,7 +155,7 @@ def test_attention_without_step_ids_says_so_rather_than_recording_nothing(tiny_m
     """With the scheduler probe off, the worker's forward passes carry no step id: the attention probe
     records none of them (their rows would take made-up step ids), and says why."""
     run = record_workload(tmp_path, "untagged", tiny_model, ["--jobs", "2", "--turns", "1"],
-                          ["--probes", "attention"])
+                          ["--probes", "attention,engine_stop"])  # engine_stop: the worker flushes at the end
     manifest = json.loads((run["session"] / "manifest.json").read_text())
     assert manifest["status"] == "empty"
     assert any(p.startswith("probe attention (worker pid ") and "forward passes had no step id" in p

@@ -30,6 +30,9 @@ MLA = "vllm.model_executor.layers.attention.mla_attention"
 RUNNER = "vllm.v1.worker.gpu_model_runner"  # V1, and the CPU runner's base class
 RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2, vLLM's default on CUDA
 READ_CALLERS = ("unified_attention_with_output", "unified_mla_attention_with_output")
+# Forward passes without a step id before the probe says so: a few are warm-up passes (Model Runner V2
+# runs ~5 on fake requests) before the first tagged step; this many with none tagged means no tags come.
+UNTAGGED_BEFORE_SAYING = 32
 
 
 def v1_req_ids(runner: Any) -> Any:
@@ -114,8 +117,12 @@ class AttentionProbe(Probe):
                         probe.ring = probe.make_ring(runner, granularity, layers, sample_every)
                     if step is None:
                         probe.untagged += 1
+                        if probe.untagged == UNTAGGED_BEFORE_SAYING and probe.step < 0:
+                            probe.say_untagged()  # in proc.json at the next flush, should the worker be killed
                         probe.ring.begin_step(probe.step, record=False)
                         return orig(runner, scheduler_output, *args, **kwargs)
+                    if probe.step < 0 and probe.untagged >= UNTAGGED_BEFORE_SAYING:
+                        probe.rec.set_probe_status(probe.name, "attached")  # the step ids came after all
                     probe.step = step
                     probe.ring.begin_step(step)
                 except Exception as exc:
@@ -263,7 +270,10 @@ class AttentionProbe(Probe):
         if self.ring is not None:
             self.ring.close()
         if getattr(self, "untagged", 0) and self.step < 0 and self.enabled:
-            # Forward passes ran, none with a step id: the scheduler probe did not tag them (off, or not
-            # attached in the engine), so nothing could be recorded under a step. Said, not hidden.
-            self.rec.set_probe_status(self.name, "degraded", f"not recorded: {self.untagged} forward passes had "
-                                      "no step id from the scheduler probe (is it on and attached?)")
+            self.say_untagged()
+
+    def say_untagged(self) -> None:
+        """Forward passes ran, none with a step id: the scheduler probe did not tag them (off, or not
+        attached in the engine), so nothing could be recorded under a step. Said, not hidden."""
+        self.rec.set_probe_status(self.name, "degraded", f"not recorded: {self.untagged} forward passes had "
+                                  "no step id from the scheduler probe (is it on and attached?)")
