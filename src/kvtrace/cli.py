@@ -388,7 +388,7 @@ def doctor(fmt, source) -> None:
 
 
 @cli.command("make-model", context_settings=CONTEXT)
-@click.option("-o", "--output", "out", default=None, help="Directory (default: ~/.cache/kvtrace/tiny-llama-v1).")
+@click.option("-o", "--output", "out", default=None, help="Directory (default: a folder in ~/.cache/kvtrace, or $KVTRACE_CACHE).")
 def make_model(out) -> None:
     """Create the tiny random-weight Llama and tokenizer used by the demo and tests (offline).
 

@@ -203,6 +203,9 @@ def test_vllm_serve_recorded_and_stopped_with_sigint(tiny_model, tmp_path):
             out = _post(f"http://127.0.0.1:{port}/v1/completions",
                         {"model": name, "prompt": prompt + str(i), "max_tokens": 8, "temperature": 0})
             assert out["choices"][0]["text"] is not None
+        chat = _post(f"http://127.0.0.1:{port}/v1/chat/completions",  # the tiny model has a chat template
+                     {"model": name, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8})
+        assert chat["choices"][0]["message"]["role"] == "assistant"
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=120)
     finally:
@@ -217,5 +220,5 @@ def test_vllm_serve_recorded_and_stopped_with_sigint(tiny_model, tmp_path):
     run_kvtrace("ingest", str(session), "-o", str(db))
     (requests, finished, hits), = q(db, "select count(*), count(finish_ns), (select sum(hit_tokens) from "
                                        "prefix_lookups) from requests")
-    assert requests == 3 and finished == 3
+    assert requests == 4 and finished == 4
     assert hits > 0  # the three prompts share a long prefix

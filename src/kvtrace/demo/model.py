@@ -1,7 +1,8 @@
 """A tiny random-weight Llama and its tokenizer, made offline and cached on disk.
 
 Used by `kvtrace demo` and the tests: vLLM's CPU build loads it like any local Hugging Face model.
-Head size 64 (the CPU attention kernel refuses 16), float32, 2 layers. Nothing is downloaded.
+Head size 64 (the CPU attention kernel refuses 16), float32, 2 layers, a plain chat template. Nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import json
 import os
 from pathlib import Path
 
-MODEL_VERSION = "tiny-llama-v1"  # bump when the recipe changes, so stale caches are not reused
+MODEL_VERSION = "tiny-llama-v2"  # bump when the recipe changes, so stale caches are not reused
+# A plain chat template, so that `vllm serve` of the model answers chat completions too.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 VOCAB_SIZE = 512
 
 
@@ -45,6 +49,7 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, layers: int = 2) ->
     tok.train_from_iterator(_training_text(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(target)
 
     torch.manual_seed(0)
