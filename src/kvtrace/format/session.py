@@ -191,7 +191,8 @@ class SessionDir:
 # degraded: whole, but something is missing from it (`session_problems` says what).
 # empty: no vLLM process recorded anything (not even an engine step).
 # incomplete: a process did not close its shards, a shard was cut, or the command did not end cleanly.
-STATUSES = ("complete", "degraded", "empty", "incomplete")
+# A manifest status that says the command ended cleanly and every process closed its shards.
+CLOSED_STATUSES = ("complete", "degraded", "empty")
 # Rows that every recording process writes whatever happens: they do not make a session non-empty.
 BOOKKEEPING_TABLES = ("clock_anchors", "drops")
 
@@ -231,10 +232,8 @@ def session_problems(procs: list[dict[str, Any]], engine_config: dict[str, Any] 
     if lost:
         out.append(f"{sum(lost.values())} rows lost ({', '.join(f'{k} {n}' for k, n in sorted(lost.items()))})")
     steps = sum(_count(doc, "steps") for doc in procs)
-    requests = sum(_count(doc, "request_events") for doc in procs)
-    if steps == 0 and any(_count(doc, t) for doc in procs for t in schema.SHARD_TABLES if t not in BOOKKEEPING_TABLES):
-        if requests:
-            out.append("the engine ran requests but no step was recorded (is the scheduler probe attached?)")
+    if steps == 0 and any(_count(doc, "request_events") for doc in procs):
+        out.append("the engine ran requests but no step was recorded (is the scheduler probe attached?)")
     for doc in procs:
         probes = doc.get("probes") if isinstance(doc.get("probes"), dict) else {}
         attached = {n for n, st in probes.items() if isinstance(st, dict) and st.get("status") == "attached"}
@@ -254,6 +253,15 @@ def session_problems(procs: list[dict[str, Any]], engine_config: dict[str, Any] 
 def is_empty(procs: list[dict[str, Any]]) -> bool:
     """No process recorded a row beyond its bookkeeping (clock anchors, drops)."""
     return not any(_count(doc, t) for doc in procs for t in schema.SHARD_TABLES if t not in BOOKKEEPING_TABLES)
+
+
+def engine_config(manifest: dict[str, Any], procs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engine's configuration: the manifest's (merged by `kvtrace record`), else the first process's
+    that has one (the scheduler probe writes it into its proc.json)."""
+    cfg = manifest.get("engine_config")
+    if isinstance(cfg, dict) and cfg:
+        return cfg
+    return next((c for c in (p.get("engine_config") for p in procs) if isinstance(c, dict) and c), {})
 
 
 def verdict(closed: bool, procs: list[dict[str, Any]], engine_config: dict[str, Any] | None = None

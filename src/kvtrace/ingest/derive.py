@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import duckdb
 
@@ -24,22 +23,9 @@ def insert_proc(con: duckdb.DuckDBPyConnection, sid: str, proc: dict) -> None:
                                 for name, st in (proc.get("probes") or {}).items() if isinstance(st, dict)])
 
 
-def engine_config(manifest: dict[str, Any], procs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The engine's configuration: the manifest's (merged by `kvtrace record`), else the first process's."""
-    engine: dict[str, Any] = {}
-    for p in procs:
-        cfg = p.get("engine_config") or {}
-        if isinstance(cfg, dict) and cfg:
-            engine = cfg
-            break
-    cfg = manifest.get("engine_config")
-    return cfg if isinstance(cfg, dict) and cfg else engine
-
-
-def insert_session(con, sid, session_dir, manifest, procs, status, job_pattern) -> None:
-    """The session's row; `procs` are the processes' proc.json as read already, `job_pattern` as
-    ingest_session resolved it (the user's, else the manifest's)."""
-    engine = engine_config(manifest, procs)
+def insert_session(con, sid, session_dir, manifest, engine, status, job_pattern) -> None:
+    """The session's row; `engine` is its engine configuration (format.session.engine_config),
+    `job_pattern` as ingest_session resolved it (the user's, else the manifest's)."""
     clock = manifest.get("clock", {})
     command = manifest.get("command")
     con.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [

@@ -16,11 +16,10 @@ from typing import Any
 import duckdb
 
 from kvtrace.format import schema
-from kvtrace.format.session import SessionDir, verdict
+from kvtrace.format.session import CLOSED_STATUSES, SessionDir, engine_config, verdict
 from kvtrace.format.shards import ShardRead, list_shards, loaded_batch, loads_into, read_shard
 from kvtrace.ingest.derive import (
     derive_requests,
-    engine_config,
     insert_proc,
     insert_session,
     job_pattern_groups,
@@ -150,7 +149,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
     rows: dict[str, int] = {t: 0 for t in schema.TABLES}
     issues: list[tuple[str, str, int]] = []
     # `kvtrace record` said the command ended cleanly and every process closed (whatever was missing).
-    incomplete = manifest.get("status") not in ("complete", "degraded", "empty")
+    incomplete = manifest.get("status") not in CLOSED_STATUSES
     t0 = time.monotonic()
     restore = _ingest_settings(con, checkpoint)
     con.execute("BEGIN TRANSACTION")
@@ -199,9 +198,9 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
             inserter.wait()
         finally:
             inserter.close(cancel=True)  # the connection is this thread's again (for the rest, or ROLLBACK)
-        docs = [proc for _, proc, _ in shards_by_proc]
-        status, problems = verdict(not incomplete, loaded, engine_config(manifest, docs))
-        insert_session(con, sid, session_dir, manifest, docs, status, job_pattern)
+        engine = engine_config(manifest, [proc for _, proc, _ in shards_by_proc])
+        status, problems = verdict(not incomplete, loaded, engine)
+        insert_session(con, sid, session_dir, manifest, engine, status, job_pattern)
         # The session's own problems (file ''), then each shard's.
         for path, problem, cut in [*(("", problem, 0) for problem in problems), *issues]:
             con.execute("INSERT INTO ingest_issues VALUES (?, ?, ?, ?)", [sid, path, problem, cut])

@@ -53,7 +53,6 @@ def check_params(func: Callable, params: tuple[str, ...], where: str) -> None:
 
 
 Target = tuple[str, str, tuple[str, ...]]  # (module, qualname, parameter names the wrapper reads)
-LOST = "*lost"  # the key of Probe.variants that lists what missing optional hooks leave unrecorded
 
 
 class Hook(NamedTuple):
@@ -92,11 +91,12 @@ class Probe:
     """
 
     name = "probe"
-    # Hook name -> the variant this process's vLLM has (None: missing), and under LOST what the optional
-    # hooks it lacks leave unrecorded; set on the class by `resolve_hooks` (the same for every instance in
-    # a process). Not an instance attribute: CPython 3.11 keeps at most 29 of those inline, and the
-    # scheduler probe's wrappers read its own on every call.
-    variants: dict[str, Any] = {LOST: []}
+    # Hook name -> the variant this process's vLLM has (None: missing), and what the optional hooks it
+    # lacks leave unrecorded; set on the class by `resolve_hooks` (the same for every instance in a
+    # process). Not instance attributes: CPython 3.11 keeps at most 29 of those inline, and the scheduler
+    # probe's wrappers read its own on every call.
+    variants: dict[str, int | None] = {}
+    lost: list[str] = []
 
     def __init__(self, recorder: Recorder, options: dict[str, Any]):
         self.rec = recorder
@@ -105,22 +105,20 @@ class Probe:
         self.faults = 0
         self._patches: list[tuple[Any, str, Any]] = []
 
-    def targets(self) -> list[Target]:
-        """Targets that must all exist (each a required hook of one variant)."""
+    @classmethod
+    def targets(cls) -> list[Target]:
+        """Targets that must all exist (each a required hook of one variant). Class methods, as `hooks`:
+        declarations, read without making a probe (`kvtrace doctor`)."""
         return []
 
-    def hooks(self) -> list[Hook]:
+    @classmethod
+    def hooks(cls) -> list[Hook]:
         """Everything the probe patches: `targets()` as required hooks, plus a subclass's own."""
-        return [Hook(qualname, (((module, qualname, tuple(params)),),)) for module, qualname, params in self.targets()]
+        return [Hook(qualname, (((module, qualname, tuple(params)),),)) for module, qualname, params in cls.targets()]
 
     def variant(self, hook: str) -> int | None:
         """Which variant of `hook` this vLLM has (index into its variants), or None when it has none."""
         return self.variants.get(hook)
-
-    @property
-    def lost(self) -> list[str]:
-        """What the optional hooks missing in this vLLM leave unrecorded."""
-        return self.variants[LOST]
 
     def install_patches(self) -> None:
         raise NotImplementedError
@@ -159,14 +157,16 @@ class Probe:
     def resolve_hooks(self) -> None:
         """Pick each hook's variant (`self.variants`); TargetMissing for a required hook with none, and
         what is lost (`self.lost`) for an optional one."""
-        variants: dict[str, Any] = {LOST: []}
-        type(self).variants = variants
+        variants: dict[str, int | None] = {}
+        lost: list[str] = []
+        cls = type(self)
+        cls.variants, cls.lost = variants, lost
         for hook in self.hooks():
             variants[hook.name], why = pick_variant(hook)
             if variants[hook.name] is None:
                 if hook.required:
                     raise TargetMissing("; ".join(why))
-                self.lost.append(f"{hook.lost} ({' / '.join(why)})")
+                lost.append(f"{hook.lost} ({' / '.join(why)})")
 
     def mark_attached(self) -> None:
         """Status "attached", or "degraded" with what is lost when an optional hook is missing."""

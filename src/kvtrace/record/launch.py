@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.errors import KvtraceError
-from kvtrace.format.session import MANIFEST, new_manifest, proc_dirs, read_proc, verdict, write_json_atomic
+from kvtrace.format.session import (
+    MANIFEST,
+    engine_config,
+    new_manifest,
+    proc_dirs,
+    read_proc,
+    verdict,
+    write_json_atomic,
+)
 from kvtrace.record.signals import descendants, request_flush, wait_group_exit
 
 PLUGIN_NAME = "kvtrace"
@@ -67,7 +75,7 @@ def finalize_session(session_dir: Path, exit_code: int | None, note: str | None 
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         manifest = new_manifest([], {})
-    procs, probes, dropped, engine, docs = [], {}, {}, {}, []
+    procs, probes, dropped, docs = [], {}, {}, []
     for p in proc_dirs(session_dir):
         proc = read_proc(p)
         docs.append(proc)
@@ -78,7 +86,7 @@ def finalize_session(session_dir: Path, exit_code: int | None, note: str | None 
             for cause, n in causes.items():
                 key = f"{table}:{cause}"
                 dropped[key] = dropped.get(key, 0) + n
-        engine = engine or proc.get("engine_config") or {}
+    engine = engine_config({}, docs)
     clean = exit_code == 0 or exit_code in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT,
                                              128 + signal.SIGTERM)
     # "flushed": the process wrote everything it held when asked, just before it was stopped.
@@ -219,9 +227,5 @@ def _close_in_process(session_dir: Path) -> None:
 
     rec = recorder._recorder
     if rec is not None and rec.session_dir == session_dir:
-        for hook in list(recorder._flush_hooks):  # the probes' held rows first, as on a signalled flush
-            try:
-                hook()
-            except Exception:
-                pass
+        recorder.run_flush_hooks()  # the probes' held rows first, as on a signalled flush
         rec.close()  # (the probes of this process stay bound to it: one session per script process)

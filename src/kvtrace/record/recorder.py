@@ -150,11 +150,7 @@ class Recorder:
         threading.Thread(target=self._flush_now, name="kvtrace-flush", daemon=True).start()
 
     def _flush_now(self) -> None:
-        for hook in list(_flush_hooks):  # the probes' pending step rows, device rings
-            try:
-                hook()
-            except Exception:
-                pass
+        run_flush_hooks()  # the probes' pending step rows, device rings
         with self._lock:
             if not self._closed:
                 self.status = "flushed"  # everything so far is on disk; the process may die any moment
@@ -476,6 +472,15 @@ def add_flush_hook(hook) -> None:
     """Have `hook()` run (once per registration, errors ignored) before a signalled flush."""
     if hook not in _flush_hooks:
         _flush_hooks.append(hook)
+
+
+def run_flush_hooks() -> None:
+    """Run the registered flush hooks; a hook's error never stops the others, nor the flush."""
+    for hook in list(_flush_hooks):
+        try:
+            hook()
+        except Exception:
+            pass
 
 
 def get_recorder(role: str | None = None) -> Recorder | None:

@@ -50,7 +50,8 @@ def make_probe(hooks: list[Hook]):
     class FakeProbe(Probe):
         name = "fake"
 
-        def hooks(self):
+        @classmethod
+        def hooks(cls):
             return hooks
 
         def install_patches(self):
@@ -98,6 +99,7 @@ def test_the_vllm_probes_declare_their_hooks():
     from kvtrace.probes.vllm.kv_blocks import PrefixCacheProbe
     from kvtrace.probes.vllm.scheduler import ADMISSION_HOOK, SchedulerProbe
 
-    assert ADMISSION_HOOK in SchedulerProbe(StatusRecorder(), {}).hooks() and not ADMISSION_HOOK.required
-    (lookup,) = PrefixCacheProbe(StatusRecorder(), {}).hooks()
+    # From the classes, as kvtrace doctor reads them (probes/vllm/doctor.py probe_hooks says why).
+    assert ADMISSION_HOOK in SchedulerProbe.hooks() and not ADMISSION_HOOK.required
+    (lookup,) = PrefixCacheProbe.hooks()
     assert lookup.required and len(lookup.variants) == 2

@@ -82,7 +82,8 @@ class AttentionProbe(Probe):
     # that never runs a layer; asking whether ATTN exists would import the package already.
     defer_until = ATTN.rsplit(".", 1)[0]
 
-    def targets(self):
+    @classmethod
+    def targets(cls):
         return [(ATTN, "get_attention_context", ("layer_name",))]
 
     def install_patches(self) -> None:

@@ -76,7 +76,8 @@ def layer_token_bytes(kv_cache_config: Any) -> dict[str, int]:
 class ConnectorProbe(Probe):
     name = "connector"
 
-    def targets(self):
+    @classmethod
+    def targets(cls):
         return [
             (FACTORY, "KVConnectorFactory.create_connector", ("config", "role", "kv_cache_config")),
             (BASE, "KVConnectorBase_V1.get_num_new_matched_tokens", ("request", "num_computed_tokens")),

@@ -29,7 +29,8 @@ class EngineStopProbe(Probe):
     name = "engine_stop"
     defer_until = ENGINE_UTILS  # installs in the processes that load it (front ends), imports nothing
 
-    def targets(self):
+    @classmethod
+    def targets(cls):
         return [(ENGINE_UTILS, "shutdown", ("procs", "timeout"))]
 
     def install_patches(self) -> None:

@@ -67,7 +67,8 @@ def hash_attribute() -> str:
 class BlockPoolProbe(Probe):
     name = "kv_blocks"
 
-    def targets(self):
+    @classmethod
+    def targets(cls):
         return [
             (POOL, "BlockPool.get_new_blocks", ("num_blocks",)),
             (POOL, "BlockPool.free_blocks", ("ordered_blocks",)),
@@ -194,8 +195,9 @@ class PrefixCacheProbe(Probe):
         ((KVM, "KVCacheManager.get_computed_blocks", ("request",)),),
     ))
 
-    def hooks(self):
-        return [self.LOOKUP]
+    @classmethod
+    def hooks(cls):
+        return [cls.LOOKUP]
 
     def install_patches(self) -> None:
         from vllm.v1.core.kv_cache_manager import KVCacheManager

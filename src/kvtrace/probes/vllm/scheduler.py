@@ -108,7 +108,8 @@ ADMISSION_BODIES = (
 class SchedulerProbe(Probe):
     name = "scheduler"
 
-    def targets(self):
+    @classmethod
+    def targets(cls):
         return [
             (SCHED, "Scheduler.schedule", ()),
             (SCHED, "Scheduler.update_from_output", ("scheduler_output", "model_runner_output")),
@@ -120,7 +121,8 @@ class SchedulerProbe(Probe):
             (KVM, "KVCacheManager.allocate_slots", ("request", "num_new_tokens")),
         ]
 
-    def hooks(self):
+    @classmethod
+    def hooks(cls):
         return [*super().hooks(), ADMISSION_HOOK]
 
     def install_patches(self) -> None:
