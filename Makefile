@@ -13,7 +13,8 @@ setup-test:
 demo: setup
 	$(VENV)/bin/kvtrace demo -o demo
 
-# Other releases of vLLM's CPU build: the real-engine exactness tests run on each, in its own venv.
+# Other releases of vLLM's CPU build: the real-engine exactness tests run on each, in its own venv layered
+# on $(VENV) (only vLLM and what it pins differ). Under CI, each is deleted after its run to keep the disk.
 VLLM_VERSIONS ?= 0.27.0 0.30.0
 
 test: setup-test
@@ -23,8 +24,10 @@ test: setup-test
 test-versions:
 	@for v in $(VLLM_VERSIONS); do \
 		echo "== vLLM $$v: the exactness tests" >&2; \
-		KVTRACE_VENV=$(VENV)-$$v KVTRACE_VLLM=$$v bash scripts/setup.sh --test || exit 1; \
+		KVTRACE_VENV=$(VENV)-$$v KVTRACE_VLLM=$$v KVTRACE_BASE_VENV=$(VENV) PIP_NO_CACHE_DIR=1 \
+			bash scripts/setup.sh --test || exit 1; \
 		$(VENV)-$$v/bin/python -m pytest -q -rs -m exactness tests/integration || exit 1; \
+		if [ -n "$$CI" ]; then rm -rf $(VENV)-$$v; fi; \
 	done
 
 lint:

