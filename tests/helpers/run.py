@@ -54,11 +54,11 @@ def record_workload(tmp: Path, name: str, model: str, workload_args: list[str],
     session = tmp / name
     metrics = tmp / f"{name}-metrics.json"
     db = tmp / f"{name}.duckdb"
-    run_kvtrace("record", "-o", str(session), "--job-pattern", JOB_PATTERN, *(record_args or []), "--",
-                sys.executable, "-m", "kvtrace.demo.workload", "--model", model, "--metrics-out", str(metrics),
-                *workload_args)
+    rec = run_kvtrace("record", "-o", str(session), "--job-pattern", JOB_PATTERN, *(record_args or []), "--",
+                      sys.executable, "-m", "kvtrace.demo.workload", "--model", model, "--metrics-out",
+                      str(metrics), *workload_args)
     run_kvtrace("ingest", str(session), "-o", str(db))
-    return {"session": session, "db": db, "metrics": json.loads(metrics.read_text())}
+    return {"session": session, "db": db, "metrics": json.loads(metrics.read_text()), "record_stderr": rec.stderr}
 
 
 def vllm_reports_every_step() -> bool:

@@ -149,6 +149,10 @@ def test_missing_probe_target_is_reported_and_run_goes_on(tiny_model, tmp_path):
     assert manifest["status"] == summary["status"] == "degraded"
     assert any("probe kv_blocks" in p and "no_such_method" in p for p in manifest["problems"])
     assert "probe kv_blocks" in summary["problems"] and "no_such_method" in summary["problems"]
+    # ... and `kvtrace record` said so while the command ran, as soon as the engine's probes were in.
+    verdicts = [ln for ln in run["record_stderr"].splitlines() if ln.startswith("kvtrace: probes in pid ")]
+    assert verdicts and any("scheduler attached" in ln for ln in verdicts)
+    assert all("kv_blocks disabled" in ln and "no_such_method" in ln for ln in verdicts)
 
 
 def test_attention_without_step_ids_says_so_rather_than_recording_nothing(tiny_model, tmp_path):

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,56 @@ from kvtrace.format.session import (
 from kvtrace.record.signals import descendants, request_flush, wait_group_exit
 
 PLUGIN_NAME = "kvtrace"
+# How often `kvtrace record` looks for the recording processes' probe verdicts, and how many it prints.
+VERDICT_POLL_S = 0.3
+MAX_VERDICT_LINES = 4
+
+
+def probe_verdict(doc: dict[str, Any]) -> str | None:
+    """One process's probes as one line ("scheduler attached, kv_blocks disabled: ..."), from its
+    proc.json; None until its plugin has installed them all."""
+    probes = doc.get("probes")
+    if not doc.get("probes_installed") or not isinstance(probes, dict):
+        return None
+    parts = []
+    for name, st in sorted(probes.items()):
+        st = st if isinstance(st, dict) else {}
+        part = f"{name} {st.get('status')}"
+        if st.get("status") not in ("attached", "off", "unused") and st.get("reason"):
+            part += f" ({str(st['reason'])[:160]})"
+        parts.append(part)
+    return ", ".join(parts)
+
+
+class VerdictWatcher(threading.Thread):
+    """Prints, while the command runs, what each vLLM process's probes attached to: the verdict that
+    `kvtrace doctor` predicts, as it really came out. One line per distinct verdict (a front end and an
+    engine differ), at most MAX_VERDICT_LINES."""
+
+    def __init__(self, session_dir: Path, vllm_version: str | None):
+        super().__init__(name="kvtrace-verdicts", daemon=True)
+        self.session_dir, self.vllm_version = session_dir, vllm_version
+        self.done = threading.Event()
+        self.printed: set[str] = set()
+
+    def run(self) -> None:
+        seen: set[Path] = set()
+        while not self.done.wait(VERDICT_POLL_S) and len(self.printed) < MAX_VERDICT_LINES:
+            self.poll(seen)
+
+    def poll(self, seen: set[Path]) -> None:
+        for proc_dir in proc_dirs(self.session_dir):
+            if proc_dir in seen:
+                continue
+            doc = read_proc(proc_dir)
+            line = probe_verdict(doc)
+            if line is None:
+                continue
+            seen.add(proc_dir)
+            if line not in self.printed and len(self.printed) < MAX_VERDICT_LINES:
+                self.printed.add(line)
+                print(f"kvtrace: probes in pid {doc.get('pid', '?')} (vLLM {self.vllm_version or '?'}): {line}",
+                      file=sys.stderr, flush=True)
 
 
 def prepare_session(out_dir: str | os.PathLike, command: list[str], options: dict[str, Any],
@@ -122,6 +173,7 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
     child: subprocess.Popen | None = None
     interrupts = 0
     early: list[int] = []  # signals that came before the command started
+    watcher: VerdictWatcher | None = None
 
     def forward(signum, _frame):
         nonlocal interrupts
@@ -154,6 +206,8 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
             version = manifest.get("vllm_version")
             print(f"kvtrace: recording into {session_dir} (vLLM {version or 'not found in this environment'}; "
                   f"`kvtrace doctor` says what it will record)", file=sys.stderr, flush=True)
+            watcher = VerdictWatcher(session_dir, version)
+            watcher.start()
         if early:  # a signal came while it was starting
             os.killpg(child.pid, early[-1])
         while True:
@@ -165,6 +219,8 @@ def run_recorded(command: list[str], out_dir: str | os.PathLike, options: dict[s
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if watcher is not None:
+            watcher.done.set()
     # vLLM's engine processes may outlive the front end by a moment while they flush: give them time.
     wait_group_exit(child.pid, timeout_s=15.0)
     manifest = finalize_session(session_dir, code)

@@ -167,9 +167,9 @@ class Recorder:
                 log.clear()
         if self._closed:  # the parent had finished recording: the child does not start again
             return
-        probes = dict(self.info.get("probes", {}))
+        kept = {k: self.info[k] for k in ("probes", "probes_installed") if k in self.info}
         self._start()
-        self.info["probes"] = probes
+        self.info.update(kept)
 
     # ---- hot path -------------------------------------------------------------------------
     def buffer(self, table: str) -> Any:
@@ -221,6 +221,12 @@ class Recorder:
         entry = {"status": status, "reason": reason}
         if self.info["probes"].get(name) != entry:  # a probe installed again as it was: nothing to rewrite
             self.info["probes"][name] = entry
+            self._proc_dirty = True
+
+    def set_info(self, key: str, value: Any) -> None:
+        """A fact about this process for proc.json (written at the next flush)."""
+        if self.info.get(key) != value:
+            self.info[key] = value
             self._proc_dirty = True
 
     def warn(self, message: str) -> None:

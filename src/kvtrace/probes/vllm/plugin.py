@@ -50,6 +50,7 @@ def register() -> None:
             if probe.install():
                 installed.append(probe)
         lifecycle.install(installed)
+        rec.set_info("probes_installed", True)  # `kvtrace record` prints the verdict once this is set
     except Exception as exc:  # never take vLLM down; the session says so
         print(f"kvtrace: warning: probes not installed: {exc!r}", file=sys.stderr)
         try:
