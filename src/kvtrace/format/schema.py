@@ -73,7 +73,7 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("max_num_seqs", i32, "requests", "max running requests"),
         _c("admission_stop", s, "",
            "why the waiting queue stopped being admitted: tok-budget, max-seqs, kv-insuf, blocked, "
-           "lora, preempted, none"),
+           "lora, preempted, prefill-throttle, prefill-cadence, skipped, none"),
         _c("num_preempted", i32, "requests", "requests preempted during this step's schedule()"),
         _c("num_new_reqs", i32, "requests", "requests scheduled for the first time"),
         _c("num_resumed_reqs", i32, "requests", "preempted requests scheduled again"),

@@ -1,5 +1,5 @@
 -- name: admission_limits
--- description: Share of steps by why admission from the waiting queue stopped (tok-budget, max-seqs, kv-insuf, preempted, blocked, lora, none).
+-- description: Share of steps by why admission from the waiting queue stopped (tok-budget, max-seqs, kv-insuf, preempted, blocked, lora, prefill-throttle, prefill-cadence, skipped, none).
 -- params: session: restrict to one session id (default: all sessions)
 -- columns: session, reason (admission_stop), steps (count), share (fraction of all steps), share_limited (fraction of the steps whose reason is not 'none', null for 'none'), mean_waiting (requests waiting after schedule(), mean over those steps)
 -- 'none' = nothing was waiting; 'preempted' = the step preempted a running request, which skips the

@@ -32,7 +32,8 @@ from kvtrace.errors import KvtraceError
 from kvtrace.format.schema import PROBE_FINE_SQL
 
 DATA_VERSION = 1
-STOPS = ["none", "tok-budget", "kv-insuf", "max-seqs", "blocked", "lora", "preempted"]
+STOPS = ["none", "tok-budget", "kv-insuf", "max-seqs", "blocked", "lora", "preempted", "prefill-throttle",
+         "prefill-cadence", "skipped"]
 PHASES = ["prefill", "decode"]
 KINDS = ["new", "resumed", "running"]
 BLOCK_EVENTS = ["alloc", "touch", "free", "cache", "evict", "pin", "unpin", "expire"]

@@ -29,7 +29,12 @@ ATTN = "vllm.model_executor.layers.attention.attention"
 MLA = "vllm.model_executor.layers.attention.mla_attention"
 RUNNER = "vllm.v1.worker.gpu_model_runner"  # V1, and the CPU runner's base class
 RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2, vLLM's default on CUDA
-READ_CALLERS = ("unified_attention_with_output", "unified_mla_attention_with_output")
+# The custom ops that call get_attention_context to run attention over the KV cache (a read of the
+# step's blocks and the write of its new tokens). vLLM 0.33 adds Step-5's own two; its fused
+# norm/rope/KV-insert ops (e.g. fused_qk_norm_rope_kv_insert) only write, ahead of one of these, and are
+# left out so a layer's records are not doubled.
+READ_CALLERS = ("unified_attention_with_output", "unified_mla_attention_with_output",
+                "step5_dsa_attention_with_output", "step5_swa_attention_with_output")
 # Forward passes without a step id before the probe says so: a few are warm-up passes (Model Runner V2
 # runs ~5 on fake requests) before the first tagged step; this many with none tagged means no tags come.
 UNTAGGED_BEFORE_SAYING = 32

@@ -1,7 +1,7 @@
 """Scheduler probe (EngineCore): one row per step, one per (step, request) scheduled, request
 lifecycle events, preemptions and holds.
 
-Patch points (`vllm.v1.core.sched.scheduler.Scheduler`, vLLM 0.26 to 0.32): `schedule` (a step starts;
+Patch points (`vllm.v1.core.sched.scheduler.Scheduler`, vLLM 0.26 to 0.33): `schedule` (a step starts;
 its output is tagged with our step id so the worker can read it), `update_from_output` (the step ends;
 first tokens), `add_request` (arrival), `_preempt_request`, `_free_request` (finish, connector holds),
 `_free_blocks` (a held request's blocks are released; wrapped from the first hold on), and for why
@@ -89,8 +89,8 @@ ADMISSION_HOOK = Hook(
 ADMISSION_BODIES = (
     {"_handle_blocked_waiting_request": """
     ready = {call}
-    if not ready:
-        probe.blocked = True
+    if not ready and not probe.seen:
+        probe.seen = "blocked"
     elif probe.armed is None and probe.enabled:""" + ARM_WATCH + """
     return ready"""},
     {"_select_waiting_queue_for_scheduling": """
@@ -99,8 +99,8 @@ ADMISSION_BODIES = (
     return queue""",
      "_try_promote_blocked_waiting_request": """
     ready = {call}
-    if not ready:
-        probe.blocked = True
+    if not ready and not probe.seen:
+        probe.seen = "blocked"
     return ready"""},
 )
 
@@ -158,8 +158,11 @@ class SchedulerProbe(Probe):
         self.watchable: Any = None  # the last KVCacheManager found fit for the watch (may_watch)
         self.held: set[str] = set()  # requests whose blocks a connector holds after finish
         self.releases_watched = False  # `_free_blocks` wrapped (watch_releases), at the first hold
-        self.kv_short = False  # allocate_slots returned None for a waiting request this step
-        self.blocked = False  # a waiting request was skipped as blocked this step
+        # What this step's admission showed, strongest first: "kv-insuf" (allocate_slots returned None
+        # for a waiting request), a prefill hold ("prefill-throttle", "prefill-cadence": prefill_hold,
+        # set before the call), "blocked" (a waiting request was skipped as blocked), or None. One
+        # attribute, not three: see test_probe_attributes_stay_inline_values.
+        self.seen: str | None = None
         self.preempted_this_step = 0
         self.config_recorded = False
         self.inject = self.options.get("inject_fault") == self.name
@@ -200,7 +203,7 @@ class SchedulerProbe(Probe):
         probe.armed = None
     # None for a request that is not running = admission stopped for lack of KV blocks.
     if blocks is None and request.status.name != "RUNNING":
-        probe.kv_short = True
+        probe.seen = "kv-insuf"  # outranks what was seen before
     return blocks""", {"probe": self})
         # vLLM's own allocate_slots is kept on the watch's class (for may_watch), under a name no
         # manager attribute has (every name on the watch shadows the manager's), not on the probe:
@@ -218,8 +221,12 @@ class SchedulerProbe(Probe):
     if not probe.enabled:
         return {call}
     t0 = _now()
-    probe.kv_short = probe.blocked = False
     probe.preempted_this_step = 0
+    try:
+        probe.seen = probe.prefill_hold({self}, locals())
+    except Exception as exc:
+        probe.seen = None
+        probe.fail(exc)
     ctx.step = {self}.current_step + 1  # schedule() increments it first thing
     if probe.nvtx_on:
         try:
@@ -455,7 +462,10 @@ class SchedulerProbe(Probe):
         pool = sched.kv_cache_manager.block_pool
         blocks_total = pool.num_gpu_blocks - 1  # block 0 is the null block
         blocks_used = blocks_total - _FREE_BLOCKS(pool)
-        waiting, holding = sched.waiting, getattr(sched, "kv_holding_waiting", ())
+        # Waiting: vLLM's queue, and those holding KV blocks (0.32+) or passed over (0.26-0.27's own queue).
+        waiting, holding = sched.waiting, getattr(sched, "kv_holding_waiting", None)
+        if holding is None:
+            holding = getattr(sched, "skipped_waiting", ())
         num_waiting = _QUEUE_LENGTHS.get(type(waiting), len)(waiting) + _QUEUE_LENGTHS.get(type(holding), len)(holding)
         budget = sched.max_num_scheduled_tokens
         self.pending_steps[step] = [
@@ -466,22 +476,55 @@ class SchedulerProbe(Probe):
             cached_new,
         ]
 
+    @staticmethod
+    def prefill_hold(sched: Any, args: dict) -> str | None:
+        """Whether schedule() will hold this step's prefills back, by vLLM's own test, read before the
+        call: "prefill-throttle" (data-parallel balancing, `schedule(throttle_prefills=True)`, 0.32+),
+        "prefill-cadence" (0.33's `prefill_schedule_interval`: prefills wait until that many steps have
+        passed since the last one that carried a prefill), else None. Both need a decoding request
+        in the batch; both stop when the last release step could not drain the queue."""
+        throttle = args.get("throttle_prefills", False)
+        interval = getattr(sched, "local_prefill_interval", 1)
+        if not throttle and interval <= 1:
+            return None  # the usual case: one attribute read a step
+        if getattr(sched, "prefill_capacity_bound", False):
+            return None
+        if throttle:
+            reason = "prefill-throttle"
+        elif (sched.num_executed_steps + 1) - sched.last_prefill_step < interval:
+            reason = "prefill-cadence"
+        else:
+            return None
+        return reason if any(not r.is_prefill_chunk for r in sched.running) else None
+
     def _admission_stop(self, sched: Any, total: int, budget: int, num_waiting: int) -> str:
         """Why the waiting queue stopped being admitted this step (see vllm-hook-map.md)."""
         if self.preempted_this_step:
             return "preempted"  # a step that preempted skips the waiting queue entirely
-        if self.kv_short:
-            return "kv-insuf"
+        seen = self.seen
+        if seen == "kv-insuf":
+            return seen
         if num_waiting == 0:
             return "none"
+        if seen is not None and seen.startswith("prefill-"):
+            return seen
         if total >= budget:
             return "tok-budget"
         if len(sched.running) >= getattr(sched, "max_num_active_reqs", sched.max_num_running_reqs):
             return "max-seqs"
-        if self.blocked:
-            return "blocked"
+        if seen == "blocked":
+            return seen
         if sched.lora_config is not None:
             return "lora"
+        # vLLM passes over a waiting request it cannot schedule now (its KV still loading, stale output
+        # in flight, nothing to compute yet: 0.33 adds this one) and goes on to the next; those passed
+        # over are in `deferred_waiting` (0.32+) or their own queue (`skipped_waiting`, 0.26-0.27).
+        # All that still wait were passed over: the queue did not stop.
+        deferred = getattr(sched, "deferred_waiting", None)
+        if deferred is None:
+            deferred = getattr(sched, "skipped_waiting", None)
+        if deferred is not None and len(deferred) >= num_waiting:
+            return "skipped"
         # Chunked prefill off and the next prompt does not fit the remaining budget.
         return "tok-budget"
 
