@@ -78,9 +78,11 @@
   const colors = {
     prefill: "#e8833a", decode: "#3b7dd8", queued: "#b8bec8", preempted: "#d9363e", pin: "#8e44ad",
     kv: "#2e9d57", read: "#1f6fd1", write: "#e0452b", sel: "rgba(255, 196, 0, .35)",
-    stop: { "tok-budget": "#e6c200", "kv-insuf": "#d9363e", "max-seqs": "#8e44ad", blocked: "#888",
-      lora: "#888", preempted: "#d9363e", "prefill-throttle": "#1aa3a3", "prefill-cadence": "#1aa3a3",
-      skipped: "#888" },
+    // Admission stops: each its own colour, none shared with the segments' or pins' (preempted keeps
+    // the preemption red).
+    stop: { "tok-budget": "#e6c200", "kv-insuf": "#a0522d", "max-seqs": "#2c6e8f", blocked: "#888",
+      lora: "#666", preempted: "#d9363e", "prefill-throttle": "#1aa3a3", "prefill-cadence": "#5fbfbf",
+      skipped: "#aaa" },
     events: ["#e0452b", "#2e9d57", "#9aa3ae", "#1aa3a3", "#222"],  // alloc touch free cache evict
     states: [null, "#3b7dd8", "#5cb85c", "#8e44ad"],  // free in-use cached held
   };
