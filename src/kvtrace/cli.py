@@ -277,7 +277,7 @@ def _coerce(value: str):
 @cli.command(context_settings=CONTEXT)
 @click.argument("sources", nargs=-1, required=True, type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["html", "perfetto", "parquet"]), default=None,
-              help="Output format (default: from the -o extension: .html, .json, else parquet).")
+              help="Output format (default: from -o: .html, .json, or a name without extension for parquet).")
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="File (html, perfetto) or directory (parquet).")
 @click.option("--session", default=None, help="Session id to export when the database holds several.")
 @click.option("--max-events", default=1_000_000, show_default=True, help="HTML viewer: aggregate or sample past this.")
@@ -291,7 +291,11 @@ def export(sources, fmt, out, session, max_events) -> None:
     kvtrace export session_dir1 session_dir2 --format parquet -o dataset/
     """
     if fmt is None:
-        fmt = "html" if out.endswith(".html") else "perfetto" if out.endswith(".json") else "parquet"
+        suffix = Path(out).suffix.lower()
+        fmt = {".html": "html", ".json": "perfetto", "": "parquet"}.get(suffix)
+        if fmt is None:  # e.g. out.txt: a file name that is none of ours, not a dataset folder
+            raise KvtraceError(f"-o {out}: cannot tell the format from the name; give --format "
+                               "(html, perfetto, parquet), a .html or .json file, or a folder for parquet")
     if fmt == "parquet":
         from kvtrace.export.dataset import export_parquet
 

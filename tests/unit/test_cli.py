@@ -60,6 +60,7 @@ def test_every_canned_query_is_listed_and_documented():
     (["record", "-o", "/tmp/kvtrace-cli-nocmd", "--", "kvtrace-no-such-command-xyz"], "command not found"),
     (["record", "--kv-ring-capacity", "1000", "-o", "/tmp/kvtrace-cli-ring", "--", "true"], "not a power of two"),
     (["export", "/no/such.duckdb", "-o", "/tmp/x.html"], "no such database"),
+    (["export", "/no/such.duckdb", "-o", "/tmp/kvtrace-cli-out.txt"], "cannot tell the format"),
 ])
 def test_errors_are_one_line(args, needle, tmp_path):
     proc = run_kvtrace(*args, check=False)
