@@ -38,6 +38,7 @@ def test_summary_equals_vllm_counters(recorded_run):
         con.close()
     assert (row["prefix_query_tokens"], row["prefix_hit_tokens"]) == (query, hits)
     assert row["preemptions"] == vllm["num_preemptions"]
+    assert row["output_tokens"] == vllm["generation_tokens"] > 0
     assert vllm["num_preemptions"] > 0, "the standard workload must force preemptions"
     assert vllm["prefix_cache_hits"] > 0, "the standard workload must hit the prefix cache"
     assert row["requests"] == 18 and row["dropped_events"] == 0

@@ -34,7 +34,7 @@ SPARK_TYPES = {"BIGINT": "BIGINT", "INTEGER": "INT", "SMALLINT": "SMALLINT", "TI
 # `sessions` (Spark plans the canned query's 14 correlated subqueries as many more stages).
 SUMMARY_SQL = """
 WITH st AS (SELECT session, count(*) AS n, min(t_start_ns) AS t0, max(t_end_ns) AS t1 FROM steps GROUP BY session),
-     rq AS (SELECT session, count(*) AS n FROM requests GROUP BY session),
+     rq AS (SELECT session, count(*) AS n, sum(output_tokens) AS o FROM requests GROUP BY session),
      pe AS (SELECT session, count(*) AS n FROM preemptions GROUP BY session),
      pl AS (SELECT session, sum(query_tokens) AS q, sum(hit_tokens) AS h FROM prefix_lookups
             WHERE after_preemption = 0 GROUP BY session),
@@ -54,6 +54,7 @@ SELECT
     s.status,
     coalesce(st.n, 0) AS steps,
     coalesce(rq.n, 0) AS requests,
+    coalesce(rq.o, 0) AS output_tokens,
     coalesce(pe.n, 0) AS preemptions,
     coalesce(pl.q, 0) AS prefix_query_tokens,
     coalesce(pl.h, 0) AS prefix_hit_tokens,

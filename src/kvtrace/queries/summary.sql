@@ -1,12 +1,13 @@
 -- name: summary
 -- description: Headline counts per session: steps, requests, preemptions, prefix-cache queries and hits, block events, lost rows, disabled probes, and what keeps the session from being complete.
 -- params: session: restrict to one session id (default: all sessions)
--- columns: session, status, steps (count), requests (count), preemptions (count), prefix_query_tokens (tokens, vLLM's prefix_cache_queries), prefix_hit_tokens (tokens, vLLM's prefix_cache_hits), prefix_hit_rate (fraction), block_allocs (blocks), block_frees (blocks), block_evictions (blocks), kv_access_records (count), dropped_events (rows lost, all causes), probes_disabled (names), duration_s (s), problems (text: why the status is not complete)
+-- columns: session, status, steps (count), requests (count), output_tokens (tokens the requests generated, vLLM's generation_tokens), preemptions (count), prefix_query_tokens (tokens, vLLM's prefix_cache_queries), prefix_hit_tokens (tokens, vLLM's prefix_cache_hits), prefix_hit_rate (fraction), block_allocs (blocks), block_frees (blocks), block_evictions (blocks), kv_access_records (count), dropped_events (rows lost, all causes), probes_disabled (names), duration_s (s), problems (text: why the status is not complete)
 SELECT
     s.session,
     s.status,
     (SELECT count(*) FROM steps t WHERE t.session = s.session) AS steps,
     (SELECT count(*) FROM requests r WHERE r.session = s.session) AS requests,
+    (SELECT coalesce(sum(output_tokens), 0) FROM requests r WHERE r.session = s.session) AS output_tokens,
     (SELECT count(*) FROM preemptions p WHERE p.session = s.session) AS preemptions,
     (SELECT coalesce(sum(query_tokens), 0) FROM prefix_lookups l
         WHERE l.session = s.session AND l.after_preemption = 0) AS prefix_query_tokens,
