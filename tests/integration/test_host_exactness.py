@@ -381,6 +381,38 @@ def _scheduler_source() -> str:
     return inspect.getsource(scheduler)
 
 
+# ---- why lookups missed (canned query prefix_misses) -------------------------------------------------
+def test_prefix_misses_are_classified_by_the_block_events(drive, tmp_path):
+    """A 4-block prompt three times, the third after a request that takes the whole pool (8 blocks): its
+    first lookup finds nothing ever cached, its second is capped (vLLM recomputes a prompt's last
+    token, so the last of its 4 resident blocks is not a hit), its third finds all 4 evicted."""
+    from kvtrace.ingest import ingest
+    from kvtrace.queries import run_query
+
+    prompt = list(range(100, 228))  # 128 tokens: 4 full blocks of 32
+
+    def scenario(d):
+        for rid, tokens in (("first", prompt), ("again", prompt), ("other", list(range(1000, 1256))),
+                            ("late", prompt)):
+            d.add(rid, tokens, 1)
+            d.run()
+
+    session, _ = drive(DrivenConfig(num_blocks=9, max_model_len=512), scenario)  # 8 usable blocks
+    db = tmp_path / "misses.duckdb"
+    ingest([session], db)
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        cols, out = run_query(con, "prefix_misses", {"by": "request"})
+        got = {(r["request_id"], r["reason"]): r["blocks"] for r in (dict(zip(cols, row)) for row in out)}
+        cols, out = run_query(con, "prefix_misses")
+        totals = {r["reason"]: (r["lookups"], r["blocks"]) for r in (dict(zip(cols, row)) for row in out)}
+    finally:
+        con.close()
+    assert got == {("first", "never-cached"): 4, ("again", "capped"): 1, ("other", "never-cached"): 8,
+                   ("late", "evicted"): 4}
+    assert totals == {"never-cached": (2, 12), "capped": (1, 1), "evicted": (1, 4)}
+
+
 # ---- vLLM's own KV reports against ours ----------------------------------------------------------
 def derived_residencies(db: Path) -> list[tuple[float, float]]:
     """(lifetime, idle before the end) in seconds of every block allocation that ended, as kvtrace

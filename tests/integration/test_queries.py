@@ -31,7 +31,7 @@ import pytest
 from tests.helpers.run import JOB_PATTERN, REPO, run_kvtrace
 
 QUERIES = ["forward_pass_throughput", "context_utilization", "access_pattern", "kv_idle_gaps",
-           "recompute_vs_swap", "kv_utilization", "step_time_fit", "admission_limits", "prefix_hits",
+           "recompute_vs_swap", "kv_utilization", "step_time_fit", "admission_limits", "prefix_hits", "prefix_misses",
            "turn_latency", "job_completion", "pins", "fragmentation", "block_lifetimes", "preemptions"]
 APPROX = {"rel": 1e-9, "abs": 1e-9}
 KNOWN = "known"
@@ -387,6 +387,52 @@ def test_prefix_hits_rejects_an_unknown_grouping(con):
 
     with pytest.raises(KvtraceError, match="by must be"):
         q(con, "prefix_hits", by="tokens")
+
+
+# ---- prefix_misses ---------------------------------------------------------------------------------------
+
+def test_prefix_misses_equal_a_replay_of_the_block_events(con):
+    """Every missed block of every lookup, classified again here from the raw rows: the hash's last
+    cache and evict before the lookup, and whether an earlier block of the lookup was not resident."""
+    lookups = raw(con, "select * from prefix_lookups where missed_hashes is not null")
+    events = raw(con, "select ts_ns, step, request_id, event, kv_group, block_hash from block_events")
+    last: dict[tuple, list[int]] = defaultdict(list)
+    own: dict[tuple, int] = {}  # (request, step) -> its first block event: the allocation after its lookup
+    for e in events:
+        if e["event"] in ("cache", "evict") and e["kv_group"] == 0 and e["block_hash"] is not None:
+            last[(e["event"], e["block_hash"])].append(e["ts_ns"])
+        key = (e["request_id"], e["step"])
+        own[key] = min(own.get(key, e["ts_ns"]), e["ts_ns"])
+    expected: Counter = Counter()
+    for lk in lookups:
+        gap = False
+        at = min(lk["ts_ns"], own.get((lk["request_id"], lk["step"]), lk["ts_ns"] + 1) - 1)
+        for h in lk["missed_hashes"]:
+            cached = max((t for t in last[("cache", h)] if t <= at), default=None)
+            evicted = max((t for t in last[("evict", h)] if t <= at), default=None)
+            if cached is None:
+                reason = "never-cached"
+            elif evicted is not None and evicted >= cached:
+                reason = "evicted"
+            else:
+                reason = "after-miss" if gap else "capped"
+            gap = gap or reason in ("never-cached", "evicted")
+            expected[(lk["request_id"], reason)] += 1
+    got = q(con, "prefix_misses", by="request")
+    assert {(r["request_id"], r["reason"]): r["blocks"] for r in got} == dict(expected)
+    assert sum(expected.values()) == sum(len(lk["missed_hashes"]) for lk in lookups) > 0
+    totals = q(con, "prefix_misses")
+    assert sum(r["blocks"] for r in totals) == sum(expected.values())
+    assert sum(r["share"] for r in totals) == pytest.approx(1.0, abs=1e-3)
+    # The standard workload evicts cached blocks that later prompts would have hit.
+    assert {r["reason"] for r in totals} >= {"never-cached", "evicted"}
+
+
+def test_prefix_misses_rejects_an_unknown_grouping(con):
+    from kvtrace.errors import KvtraceError
+
+    with pytest.raises(KvtraceError, match="by must be"):
+        q(con, "prefix_misses", by="tokens")
 
 
 # ---- turn_latency and job_completion ---------------------------------------------------------------------

@@ -127,8 +127,9 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("full_blocks", i32, "blocks", "full blocks of the query (hashable)"),
         _c("tail_tokens", i32, "tokens", "tokens past the last full block (can never hit)"),
         _c("missed_hashes", i64_list, "",
-           "hashes (int64 prefix) of the full blocks after the hit that missed; ingest classifies "
-           "them as evicted-before or never-seen; null when the local cache was not consulted"),
+           "hashes (int64 prefix) of the full blocks after the hit that missed; the canned query "
+           "prefix_misses classifies them (never-cached, evicted, capped, after-miss); null when the "
+           "local cache was not consulted"),
         _c("external_hit_tokens", i32, "tokens",
            "tokens a KV connector said it can load (get_num_new_matched_tokens); null without one"),
         _c("after_preemption", i8, "",
