@@ -4,7 +4,9 @@ recorded runs are made once per test session and shared by every test module tha
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,14 @@ from tests.helpers.run import have_vllm, record_workload
 # Child processes find the environment's scripts (`vllm`, `kvtrace`) as in an activated venv, also when
 # the tests run as `.venv/bin/python -m pytest` (what `make test` and CI do).
 os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+# vLLM's processes talk through IPC sockets that it names in VLLM_RPC_BASE_PATH (default: /tmp) and does
+# not always remove; the tests' go into one folder, deleted when the test session ends.
+_IPC_DIR = tempfile.mkdtemp(prefix="kvtrace-tests-ipc-")
+os.environ["VLLM_RPC_BASE_PATH"] = _IPC_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_IPC_DIR, ignore_errors=True)
 
 
 
