@@ -167,9 +167,18 @@ def _print_rows(columns: list[str], rows: list[tuple], fmt: str) -> None:
     _print_chunks(columns, iter([rows]), fmt)
 
 
-def _print_chunks(columns: list[str], chunks: Iterator[list[tuple]], fmt: str) -> None:
+def _print_chunks(columns: list[str], chunks: Iterator[list[tuple]], fmt: str) -> int:
     """Write rows that come in chunks: csv and json as they come (a result of millions of rows is never
-    held whole); a table needs every row first, for its column widths."""
+    held whole); a table needs every row first, for its column widths. Returns the rows written."""
+    n = 0
+
+    def counted(chunks):
+        nonlocal n
+        for chunk in chunks:
+            n += len(chunk)
+            yield chunk
+
+    chunks = counted(chunks)
     if fmt == "json":  # exactly json.dumps(list of row objects, indent=1), one object at a time
         out = sys.stdout
         encode = json.JSONEncoder(default=str, indent=1).encode  # json.dumps would make one per row
@@ -202,6 +211,7 @@ def _print_chunks(columns: list[str], chunks: Iterator[list[tuple]], fmt: str) -
             cols = zip(*rows[start:start + block], strict=False)
             padded = [[text.ljust(w) for text in map(_cell, col)] for col, w in zip(cols, widths, strict=False)]
             click.echo("\n".join(map("  ".join, zip(*padded))))
+    return n
 
 
 def _cell(v) -> str:
@@ -260,7 +270,9 @@ def query(db, name, sql, params, fmt, list_, dataset) -> None:
             columns, chunks = iter_sql(con, q.sql, values, q.params)
         else:
             raise KvtraceError("give a canned query name or --sql (kvtrace query --list shows the names)")
-        _print_chunks(columns, chunks, fmt)
+        if _print_chunks(columns, chunks, fmt) == 0 and name and not sql:  # on stderr: stdout stays data
+            why = q.empty or "nothing in the database matches"
+            click.echo(f"kvtrace: {name}: no rows: {why}", err=True)
     finally:
         con.close()
 

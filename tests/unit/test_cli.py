@@ -124,3 +124,22 @@ def test_query_table_output_pads_every_column_to_its_widest_cell(capsys):
     ]
     _print_chunks(["only"], iter([]), "table")
     assert capsys.readouterr().out.splitlines() == ["only", "----"]
+
+
+def test_a_query_with_no_rows_says_why_on_stderr(tmp_path):
+    """stdout stays the (empty) result, so pipes still parse it; stderr says what the query needs."""
+    import duckdb
+
+    from kvtrace.store.layout import create_tables
+
+    db = tmp_path / "empty.duckdb"
+    con = duckdb.connect(str(db))
+    create_tables(con)
+    con.close()
+    out = run_kvtrace("query", str(db), "turn_latency", "--format", "json")
+    assert json.loads(out.stdout) == []
+    assert "turn_latency: no rows: needs job/turn ids" in out.stderr and "--job-pattern" in out.stderr
+    out = run_kvtrace("query", str(db), "kernel_summary")
+    assert out.stdout.startswith("time_pct") and "--nsys" in out.stderr
+    out = run_kvtrace("query", str(db), "--sql", "select 1 as x where false")
+    assert out.stderr == ""  # SQL of the user's own: no rows is an answer

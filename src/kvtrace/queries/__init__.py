@@ -21,7 +21,7 @@ import duckdb
 
 from kvtrace.errors import KvtraceError
 
-HEADER = re.compile(r"^--\s*(name|description|params|columns):\s*(.*)$")
+HEADER = re.compile(r"^--\s*(name|description|params|columns|empty):\s*(.*)$")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class CannedQuery:
     sql: str
     params: dict[str, str] = field(default_factory=dict)  # name -> meaning
     columns: str = ""
+    empty: str = ""  # why the result can have no rows, for people (`-- empty:`); printed with none
 
 
 def _parse(text: str, filename: str) -> CannedQuery:
@@ -50,7 +51,8 @@ def _parse(text: str, filename: str) -> CannedQuery:
             key, _, meaning = part.partition(":")
             if key.strip():
                 params[key.strip()] = meaning.strip()
-    return CannedQuery(meta["name"], meta["description"], text, params, meta.get("columns", ""))
+    return CannedQuery(meta["name"], meta["description"], text, params, meta.get("columns", ""),
+                       meta.get("empty", ""))
 
 
 def all_queries() -> dict[str, CannedQuery]:

@@ -2,6 +2,7 @@
 -- description: KV reads and writes of one layer as block id x time, one row per access record (IPDPS'25 Fig. 6); needs kv_access block records.
 -- params: session: restrict to one session id (default: all sessions); layer: layer index (default: the lowest layer with block records in each session); op: read or write (default: both); step_from: first step (default: the first); step_to: last step (default: the last)
 -- columns: session, layer, step, ts_ns (ns, host monotonic), t_ms (ms since the session's first step), op (read | write), block_id, request_id, slot (request's row in the batch), token_offset (tokens, first offset in the block), token_count (tokens read or written in the block)
+-- empty: no KV access records: the attention probe was off, unsupported or recorded nothing (see summary)
 -- A read covers the request's context in that block (offset 0 .. its tokens there); a write covers the
 -- run of this step's tokens landing in the block. Empty when the session has no kv_access records.
 WITH origin AS (

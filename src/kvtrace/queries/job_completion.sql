@@ -2,6 +2,7 @@
 -- description: Job completion time per job (first turn's arrival -> last turn's finish) with its turns' summed latency and the time between turns.
 -- params: session: restrict to one session id (default: all sessions)
 -- columns: session, job_id, turns (requests of the job), finished (turns finished), first_arrival_s (s since the session's first step), jct_ms (ms, first arrival -> last finish; null until every turn finished), turns_ms (ms, summed arrival -> finish of its turns), between_turns_ms (ms, jct_ms - turns_ms: client/tool time between turns), prompt_tokens (tokens), cached_tokens (tokens), output_tokens (tokens), preemptions (count)
+-- empty: needs job/turn ids in request ids: ingest with --job-pattern (or record with it)
 -- Needs job ids (`kvtrace record/ingest --job-pattern`); requests without one are left out.
 WITH origin AS (
     SELECT session, min(t_start_ns) AS t0 FROM steps

@@ -2,6 +2,7 @@
 -- description: Idle time between KV accesses: per (layer, block) the gaps between the steps that access it, or per layer the share of time with no KV access (IPDPS'25 Sec. VI-B); needs kv_access.
 -- params: session: restrict to one session id (default: all sessions); by: block (one row per layer and block, default) or layer (one row per layer); layer: a layer index, or all (default: by=block the lowest layer with block records in each session, as access_pattern; by=layer all layers)
 -- columns: session, layer, block_id (null when by=layer), visits (steps with at least one access), reads (records), writes (records), gaps (count, visits - 1), gap_mean_ms (ms), gap_p50_ms (ms), gap_max_ms (ms), busy_ms (ms, summed visit spans), window_ms (ms, first access -> last access), idle_share (fraction of the window with no access, 1 - busy_ms / window_ms)
+-- empty: no KV access records: the attention probe was off, unsupported or recorded nothing (see summary)
 -- A visit is one step's accesses to the block (or to any block of the layer); it spans from its first to
 -- its last record, at the recorder's timestamp resolution (the CPU ring stamps a layer call once, so
 -- spans are 0 and idle_share is 1 there). A gap runs from a visit's last record to the next visit's first.

@@ -2,6 +2,7 @@
 -- description: GPU memory operations (memcpy by direction, memset): time and bytes (like nsys stats cuda_gpu_mem_time_sum and cuda_gpu_mem_size_sum).
 -- params: session: restrict to one session id (default all, exports loaded without a session included)
 -- columns: time_pct (% of all memory-operation time), total_ns (ns), count (operations), avg_ns (ns), med_ns (ns), min_ns (ns), max_ns (ns), stddev_ns (ns, sample standard deviation), total_bytes (bytes), avg_bytes (bytes), max_bytes (bytes), gb_per_s (GB/s: total_bytes / total_ns), operation ([CUDA memcpy HtoD], [CUDA memcpy DtoD], ..., [CUDA memset])
+-- empty: needs an Nsight Systems export: kvtrace ingest SESSION --nsys REPORT.sqlite
 WITH ops AS (
     SELECT '[CUDA memcpy ' || copy_kind || ']' AS operation, duration_ns, bytes
     FROM nsys_memcpy WHERE $session IS NULL OR session = $session

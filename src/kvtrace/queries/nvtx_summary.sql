@@ -2,6 +2,7 @@
 -- description: Time spent in NVTX ranges (CPU side), per domain and range name (like nsys stats nvtx_sum); our per-step ranges count as one name, kvtrace step.
 -- params: session: restrict to one session id (default all, exports loaded without a session included)
 -- columns: time_pct (% of all range time), total_ns (ns), instances (count), avg_ns (ns), med_ns (ns), min_ns (ns), max_ns (ns), stddev_ns (ns, sample standard deviation), style (PushPop or StartEnd), domain (NVTX domain, empty for the default domain), range (range name)
+-- empty: needs an Nsight Systems export: kvtrace ingest SESSION --nsys REPORT.sqlite
 SELECT
     round(100.0 * sum(duration_ns) / sum(sum(duration_ns)) OVER (), 2) AS time_pct,
     sum(duration_ns) AS total_ns,

@@ -2,6 +2,7 @@
 -- description: Each pin or hold of KV against eviction: how long it was held, how it ended, and whether the pinned KV was reused before it ended.
 -- params: session: restrict to one session id (default: all sessions)
 -- columns: session, request_id (owner of the pinned KV), kind (pin | hold), reason (policy or connector), step (step it started), t_s (s since the session's first step), end_event (unpin | expire | release; null while still held at the end of the trace), held_ms (ms, start -> end; null when never ended), ttl_ms (ms, the pin's time-to-live, when the policy has one), blocks (count), reuse_events (count of 'reuse' rows for the owner while held), hit_requests (other requests whose prefix hits touched the pinned blocks while held), reused (true when either is > 0), first_reuse_ms (ms, start -> first reuse or hit), expired (true when it ended by TTL expiry)
+-- empty: no block was pinned or held by a connector
 -- A pin (pin -> unpin | expire) comes from a pinning scheduler through kvtrace.probes.pins; a hold
 -- (hold -> release) is a connector delaying the free of a finished request's blocks.
 WITH origin AS (

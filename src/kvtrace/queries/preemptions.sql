@@ -2,6 +2,7 @@
 -- description: Every preemption: the request, what it lost (computed tokens, blocks), the KV usage when it happened, and when the request was scheduled again.
 -- params: session: restrict to one session id (default: all sessions)
 -- columns: session, rank, step, t_s (s since the session's first step), request_id, job_id, turn, nth (its request's n-th preemption), computed_tokens_lost (tokens), blocks_freed (blocks), output_tokens (tokens generated before it), kv_usage_pct (%, device KV usage after the step's schedule()), num_running (requests running after it), resumed_step (step it was scheduled again; null if never), wait_ms (ms, preempted -> scheduled again), finished (true when the request finished later)
+-- empty: no request was preempted
 WITH origin AS (
     SELECT session, min(t_start_ns) AS t0 FROM steps
     WHERE $session IS NULL OR session = $session GROUP BY session

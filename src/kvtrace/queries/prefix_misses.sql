@@ -2,6 +2,7 @@
 -- description: Why prefix-cache lookups missed: every full block after a lookup's hit, classified by what the block events say about its hash when the lookup ran (never cached, evicted, resident but capped, resident behind an earlier miss).
 -- params: session: restrict to one session id (default: all sessions); by: reason (default: one row per reason) or request (one row per request and reason)
 -- columns: session, request_id (by=request), reason (never-cached: no block held this hash before the lookup | evicted: it was cached, then evicted before the lookup | capped: resident, but the lookup stopped before it: vLLM recomputes at least a prompt's last token, so a prompt cached to its end leaves its last full block out, and 0.33's max_cache_hit_length caps a hit | after-miss: resident, but behind an earlier block of the same lookup that missed: a hit ends at its first miss), lookups (count, lookups with a missed block of this reason), blocks (count, missed blocks), share (fraction of all missed blocks of the session)
+-- empty: no lookup missed a full block, or prefix caching was off
 -- Reads prefix_lookups.missed_hashes (KV-cache group 0) against block_events' cache and evict rows of the
 -- same engine (session, rank), as of the lookup's time. Lookups after a preemption are included. A model
 -- whose hash block size differs from its block size (hybrid models) has hashes that the block events do

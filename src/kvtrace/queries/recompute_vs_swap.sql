@@ -2,6 +2,7 @@
 -- description: Cost of each preemption's resume: tokens thrown away, recompute time attributed to the resumed request's prefill, and KV reloaded through a connector; per preemption or by evicted-token bins (IPDPS'25 Fig. 8-10).
 -- params: session: restrict to one session id (default: all sessions); by: preemption (one row each, default) or bin (aggregated per evicted-token bin); bin_tokens: bin width in tokens (default: powers of two, [2^k, 2^(k+1)))
 -- columns: session, evicted_bin (tokens, lower bound of the bin of tokens_lost), request_id (by=preemption), preempt_step (by=preemption), preemptions (count), tokens_lost (tokens, computed tokens thrown away), resumed (preemptions whose request was scheduled again), local_hit_tokens (tokens found in the local prefix cache at resume), external_hit_tokens (tokens a connector could load at resume), recomputed_tokens (prefill tokens scheduled until caught up), recompute_steps (steps), recompute_ms (ms attributed), load_bytes (bytes loaded through the connector), load_ms (ms attributed), overhead_ms (recompute_ms + load_ms), wait_ms (ms, preempted -> scheduled again), catch_up_ms (ms, scheduled again -> end of its last prefill step)
+-- empty: no request was preempted
 -- Caught up = the request's prefill rows from its resumption until its first decode step (or its next
 -- preemption). Recompute time: sum over those steps of its prefill tokens x the step's duration
 -- (t_end_ns - t_start_ns, less the step's connector load time, counted in load_ms) / the step's

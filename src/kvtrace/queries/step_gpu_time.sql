@@ -2,6 +2,7 @@
 -- description: Per engine step and GPU, step wall time against GPU busy time (kernels, memcpys, memsets) and the idle gaps, from an aligned Nsight Systems export.
 -- params: session: restrict to one session id (default all)
 -- columns: session, rank, step (engine step id), nsys_file (export), device_id (CUDA device), wall_ns (ns, the step's duration), window_ns (ns, the part of the step before the next one starts: the time measured), busy_ns (ns, GPU busy in the window), idle_ns (ns, window_ns - busy_ns), busy_pct (busy_ns / window_ns x 100), max_gap_ns (ns, longest idle stretch in the window)
+-- empty: needs an Nsight Systems export of the same run: kvtrace ingest SESSION --nsys REPORT.sqlite
 SELECT
     session,
     rank,

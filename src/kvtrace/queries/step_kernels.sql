@@ -2,6 +2,7 @@
 -- description: Per engine step, the GPU kernels it launched, from an Nsight Systems export aligned to the session: count, GPU time, top kernels.
 -- params: session: restrict to one session id (default all)
 -- columns: session, rank, step (engine step id), nsys_file (export), wall_ns (ns, the step's duration), kernels (count), gpu_ns (ns, summed kernel durations), gpu_pct (gpu_ns / wall_ns x 100; above 100 with several GPUs), top_kernels (the 3 kernel names with the most GPU time, ' | '-separated)
+-- empty: needs an Nsight Systems export of the same run: kvtrace ingest SESSION --nsys REPORT.sqlite
 SELECT
     session,
     rank,

@@ -2,6 +2,7 @@
 -- description: Per-turn latency by turn index for requests carrying a job/turn id: arrival -> finish, time to first token, queueing (agentic studies' per-turn latency).
 -- params: session: restrict to one session id (default: all sessions)
 -- columns: session, turn (turn index), requests (count finished), latency_mean_ms (ms, arrival -> finished), latency_p50_ms (ms), latency_p90_ms (ms), latency_max_ms (ms), ttft_mean_ms (ms, arrival -> first token), queue_mean_ms (ms, arrival -> first scheduled), prompt_tokens_mean (tokens), cached_tokens_mean (tokens, prefix hits at first admission), preemptions (count)
+-- empty: needs job/turn ids in request ids: ingest with --job-pattern (or record with it)
 -- Needs job/turn ids (`kvtrace record/ingest --job-pattern`); requests without a turn or that never
 -- finished are left out.
 WITH r AS (
