@@ -308,15 +308,18 @@ def test_context_utilization(con):
 
 # ---- step_time_fit ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("phase", [None, "decode-only"])
-def test_step_time_fit_matches_numpy(con, phase):
+@pytest.mark.parametrize("phase, warmup", [(None, None), ("decode-only", None), (None, 0), (None, 5)])
+def test_step_time_fit_matches_numpy(con, phase, warmup):
+    first = raw(con, "select min(step) as s from steps")[0]["s"]
     steps = [s for s in raw(con, "select * from steps where t_end_ns is not null and scheduled_tokens > 0")
-             if phase is None or phase_of(s) == phase]
+             if (phase is None or phase_of(s) == phase) and s["step"] >= first + (1 if warmup is None else warmup)]
     x = np.array([s["scheduled_tokens"] for s in steps], dtype=float)
     y = np.array([(s["t_end_ns"] - s["t_start_ns"]) / 1e6 for s in steps])
     (slope, intercept), *_ = np.linalg.lstsq(np.vstack([x, np.ones_like(x)]).T, y, rcond=None)
     r2 = 1 - ((y - (slope * x + intercept)) ** 2).sum() / ((y - y.mean()) ** 2).sum()
     params = {"phase": phase} if phase else {}
+    if warmup is not None:
+        params["warmup_steps"] = warmup
     (fit,) = q(con, "step_time_fit", **params)
     assert fit["n"] == len(steps)
     assert fit["slope_us_per_token"] == pytest.approx(slope * 1000, rel=1e-6)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import statistics
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -80,10 +81,27 @@ def test_compare_one_database_matches_the_queries(recorded_run):
     assert table["preemptions"] == vllm["num_preemptions"]
     assert table["prefix hit rate (local)"] == pytest.approx(vllm["prefix_cache_hits"] / vllm["prefix_cache_queries"])
     assert table["requests finished"] == 18
+    with duckdb.connect(str(recorded_run["db"]), read_only=True) as con:
+        cols, lives = run_query(con, "block_lifetimes")
+    idle = sorted(r[cols.index("idle_before_end_ms")] for r in lives if r[cols.index("end_event")] == "evict")
+    assert idle, "the standard workload evicts cached blocks"
+    assert table["median idle before eviction"] == pytest.approx(statistics.median(idle), rel=1e-9)
     assert table["step-time fit: slope"] == pytest.approx(fit["slope_us_per_token"], rel=1e-6)
     assert table["step-time fit: R2"] == pytest.approx(fit["r2"], rel=1e-6)
     assert table["admission stopped by kv-insuf"] == pytest.approx(adm.get("kv-insuf", 0.0), rel=1e-6)
     assert table["pins and holds"] == 0 and table["pins reused before they ended"] is None
+
+
+def test_compare_counts_finished_requests_without_job_ids(recorded_run, tmp_path):
+    """A serving run has no job/turn ids: its finished requests are counted all the same."""
+    db = tmp_path / "no-jobs.duckdb"
+    shutil.copy(recorded_run["db"], db)
+    with duckdb.connect(str(db)) as con:
+        con.execute("UPDATE requests SET job_id = NULL, turn = NULL")
+    _, rows = compare([db])
+    table = {r[0]: r[2] for r in rows}
+    assert table["requests finished"] == 18
+    assert table["mean turn latency"] is None  # needs job ids: blank, not 0
 
 
 def test_compare_side_by_side_with_figures(recorded_run, tmp_path):

@@ -145,6 +145,13 @@ def _ended_share(s: Series):
     return _ratio(sum(1 for r in rows if r["end_event"] == "evict"), len(rows))
 
 
+def _finished(s: Series) -> int:
+    """Requests of the session that finished (from `requests`: with or without job ids)."""
+    (n,), = s.con.execute("SELECT count(*) FROM requests WHERE session = ? AND finish_ns IS NOT NULL",
+                          [s.session]).fetchall()
+    return n
+
+
 def _pins_reused(s: Series):
     rows = s.q("pins")
     return _ratio(sum(1 for r in rows if r["reused"]), len(rows))
@@ -152,8 +159,7 @@ def _pins_reused(s: Series):
 
 METRICS: list[tuple[str, str, Callable[[Series], Any]]] = [
     ("steps", "count", lambda s: len(s.q("forward_pass_throughput"))),
-    ("requests finished", "count", lambda s: sum(r["requests"] for r in s.q("turn_latency"))
-     if s.q("turn_latency") else None),
+    ("requests finished", "count", lambda s: _finished(s)),
     ("prefill-only tokens/s", "tokens/s", lambda s: _phase_rate(s, "prefill-only")),
     ("decode-only tokens/s", "tokens/s", lambda s: _phase_rate(s, "decode-only")),
     ("mixed tokens/s", "tokens/s", lambda s: _phase_rate(s, "mixed")),
@@ -188,7 +194,8 @@ METRICS: list[tuple[str, str, Callable[[Series], Any]]] = [
     ("block residencies", "count", lambda s: len(s.q("block_lifetimes"))),
     ("residencies ended by eviction", "fraction", _ended_share),
     ("median block lifetime", "ms", lambda s: _median(s.q("block_lifetimes"), "lifetime_ms")),
-    ("median idle before eviction", "ms", lambda s: _median(s.q("block_lifetimes"), "idle_before_end_ms")),
+    ("median idle before eviction", "ms",  # residencies that ended by eviction only (not re-handed-out ones)
+     lambda s: _median([r for r in s.q("block_lifetimes") if r["end_event"] == "evict"], "idle_before_end_ms")),
     ("KV idle share per layer (mean)", "fraction", lambda s: _mean(s.q("kv_idle_gaps", by="layer"), "idle_share")),
     ("mean gap between a layer's KV accesses", "ms",
      lambda s: _mean(s.q("kv_idle_gaps", by="layer"), "gap_mean_ms")),
@@ -376,9 +383,12 @@ def fig_recompute_vs_swap(series: list[Series]):
         rec = [by[b]["recompute_ms"] if b in by else 0.0 for b in bins]
         load = [by[b]["load_ms"] if b in by else 0.0 for b in bins]
         bars = ax.bar(xs, rec, width, label=f"{s.label}: recompute")
-        ax.bar(xs, load, width, bottom=rec, label=f"{s.label}: connector load", color=bars.patches[0].get_facecolor(),
-               hatch="//", alpha=0.6)
+        if any(load):  # no legend entry for a connector that loaded nothing
+            ax.bar(xs, load, width, bottom=rec, label=f"{s.label}: connector load",
+                   color=bars.patches[0].get_facecolor(), hatch="//", alpha=0.6)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(bins))], [f">={b}" for b in bins])
+    ax.set_xlim(-0.6, len(bins) - 0.2)  # one bin: a bar of its own width, not the whole axis
+    ax.margins(y=0.3)  # room above the bars for the legend
     ax.set_xlabel("tokens thrown away per preemption (bin)")
     ax.set_ylabel("resume overhead (ms, summed)")
     ax.set_title("Recompute vs reload after preemption", fontsize=10)
