@@ -159,7 +159,7 @@ def test_counters_and_instants(trace, recorded_run):
     assert [a["used"] for a in counters["KV blocks"]] == used
     total = q(db, "SELECT max(kv_blocks_total) FROM steps")[0][0]
     assert all(a["used"] + a["free"] == total for a in counters["KV blocks"])
-    instants = [e for e in trace["traceEvents"] if e["ph"] == "i"]
+    instants = [e for e in trace["traceEvents"] if e["ph"] == "i" and e["cat"] != "origin"]
     assert sum(e["cat"] == "preemption" for e in instants) == n_pre
     assert sum(e["cat"] == "pin" for e in instants) == n_pins
     for e in instants:
@@ -172,6 +172,11 @@ def test_clock_metadata(trace, recorded_run):
     assert clocks and all(c["args"]["unit"] == "us" and c["args"]["origin"] == "session start" for c in clocks)
     assert clocks[0]["args"]["origin_monotonic_ns"] == t0 and clocks[0]["args"]["origin_utc_ns"] == utc
     assert trace["otherData"]["origin_monotonic_ns"] == t0
+    # kvtrace query's t_s origin (the first engine step) is in the trace: in its metadata and as a marker.
+    (first,), = q(recorded_run["db"], "SELECT min(t_start_ns) FROM steps")
+    assert trace["otherData"]["first_engine_step_us"] == pytest.approx((first - t0) / 1000, abs=1e-3)
+    (mark,) = [e for e in trace["traceEvents"] if e["name"].startswith("first engine step")]
+    assert mark["ph"] == "i" and mark["ts"] == trace["otherData"]["first_engine_step_us"]
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     assert {"vLLM engine rank 0", "requests rank 0"} <= names
 

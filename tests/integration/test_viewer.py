@@ -267,6 +267,13 @@ def page(browser, viewer_html):
 def test_loads_and_shows_every_step(page, recorded_run):
     steps = [s for s, in q(recorded_run["db"], "SELECT step FROM steps ORDER BY t_start_ns")]
     assert page.page.text_content("#step-count") == f"{len(steps):,}"
+    # Both time origins and the pool as the rows count it (usable blocks, as in kv:U/T).
+    (t0, first, usable), = q(recorded_run["db"], "SELECT (SELECT start_monotonic_ns FROM sessions), "
+                                                 "min(t_start_ns), max(kv_blocks_total) FROM steps")
+    summary = page.page.text_content("#summary")
+    assert "times: s since session start" in summary
+    assert page.page.text_content("#origin") == f" (first step {(first - t0) / 1e9:.3f} s = query t_s 0)"
+    assert f"{usable:,} usable blocks" in summary
     assert page.page.evaluate("window.kvtraceViewer.steps") == len(steps)
     assert page.ink("#steps-canvas") > 2000
     first = page.page.text_content("#steps-list .row[data-idx='0'] .c-step")

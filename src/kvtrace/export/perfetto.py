@@ -77,8 +77,11 @@ def build_trace(con, sid: str) -> dict[str, Any]:
     ranks = [r[0] for r in con.execute("SELECT DISTINCT rank FROM v_steps UNION SELECT DISTINCT rank FROM v_req "
                                        "ORDER BY 1").fetchall()]
     pid_of = {rank: 2 * i + 1 for i, rank in enumerate(ranks)}  # engine; its requests get pid + 1
+    first = view_data.first_step_ns(con, sid)
     clock = {"clock": "host CLOCK_MONOTONIC", "unit": "us", "origin": "session start",
-             "origin_monotonic_ns": t0, "origin_utc_ns": start_utc, "session": sid}
+             "origin_monotonic_ns": t0, "origin_utc_ns": start_utc, "session": sid,
+             # kvtrace query's t_s counts from here: the same moment is ts = first_engine_step_us + 1e6 * t_s
+             "first_engine_step_us": None if first is None else _us(first, t0)}
     meta: list[dict] = []
     for i, rank in enumerate(ranks):
         pid = pid_of[rank]
@@ -96,7 +99,12 @@ def build_trace(con, sid: str) -> dict[str, Any]:
             {"name": "process_name", "ph": "M", "pid": pid + 1, "tid": 0, "args": {"name": f"requests rank {rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": pid + 1, "tid": 0, "args": {"sort_index": 2 * i + 1}},
         ]
-    events = meta + _steps(con, t0, pid_of) + _instants(con, sid, t0, pid_of) + _requests(con, sid, t0, pid_of)
+    marks = [] if first is None else [  # a global marker where kvtrace query's t_s = 0
+        {"name": "first engine step (t_s = 0 in kvtrace query)", "cat": "origin", "ph": "i", "s": "g",
+         "pid": pid_of[ranks[0]],
+         "tid": STEPS_TID, "ts": _us(first, t0)}]
+    events = (meta + marks + _steps(con, t0, pid_of) + _instants(con, sid, t0, pid_of)
+              + _requests(con, sid, t0, pid_of))
     return {"traceEvents": events, "otherData": {"kvtrace_session": sid, **clock}}
 
 

@@ -77,6 +77,13 @@ def session_origin_ns(con: duckdb.DuckDBPyConnection, sid: str) -> int:
     return int(row[0])
 
 
+def first_step_ns(con: duckdb.DuckDBPyConnection, sid: str) -> int | None:
+    """When the session's first engine step started (host monotonic ns): the origin of the canned
+    queries' `t_s` columns. None without steps."""
+    value = con.execute("SELECT min(t_start_ns) FROM steps WHERE session = $s", {"s": sid}).fetchall()[0][0]
+    return None if value is None else int(value)
+
+
 def make_index_tables(con: duckdb.DuckDBPyConnection, sid: str) -> None:
     """Temp tables `v_steps` and `v_req`: the session's steps and requests with a dense 0-based `idx`.
 
@@ -225,6 +232,10 @@ def _meta(con, sid: str, t0: int, notices: list) -> dict[str, Any]:
     meta: dict[str, Any] = dict(zip(keys, row, strict=True))
     meta["session"] = sid
     meta["origin_monotonic_ns"] = t0
+    # The viewer counts from session start; kvtrace query's t_s from the first engine step: say where.
+    first = first_step_ns(con, sid)
+    meta["first_step_s"] = None if first is None else round((first - t0) / 1e9, 6)
+    meta["usable_blocks"] = _one(con, "SELECT max(kv_blocks_total) FROM steps WHERE session = $s", {"s": sid})
     counts = {}
     for table in ("steps", "step_requests", "request_events", "block_events", "prefix_lookups", "preemptions",
                   "pins", "kv_access", "transfers"):

@@ -196,8 +196,18 @@
       sum.appendChild(s);
       sum.appendChild(document.createTextNode(" " + label));
     });
+    // Blocks as the step rows count them (kv:U/T: usable blocks, vLLM's null block left out), and both
+    // time origins: this page's (session start) and kvtrace query's t_s (the first engine step).
+    const blocks = meta.usable_blocks != null ? fmtN(meta.usable_blocks) + " usable blocks"
+      : fmtN(meta.pool_blocks) + " blocks";
     sum.appendChild(document.createTextNode(" · status " + meta.status + " · block size " +
-      fmtN(meta.block_size) + " tokens · " + fmtN(meta.pool_blocks) + " blocks · times are seconds since session start"));
+      fmtN(meta.block_size) + " tokens · " + blocks + " · times: s since session start"));
+    if (meta.first_step_s != null) {
+      const o = el("span", null, " (first step " + meta.first_step_s.toFixed(3) + " s = query t_s 0)");
+      o.id = "origin";
+      o.title = "kvtrace query's t_s columns count from the first engine step; this page from session start";
+      sum.appendChild(o);
+    }
     const ul = $("notices");
     for (const n of raw.notices) ul.appendChild(el("li", n.kind, n.text));
   }
