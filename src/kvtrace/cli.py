@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -214,10 +215,15 @@ def _print_chunks(columns: list[str], chunks: Iterator[list[tuple]], fmt: str) -
     return n
 
 
+# Control characters from the data (an ESC sequence in a request id) are shown, not sent to the terminal.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
 def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.6g}"
-    return "" if v is None else str(v)
+    text = "" if v is None else str(v)
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text) if _CONTROL.search(text) else text
 
 
 @cli.command(context_settings=CONTEXT)
@@ -251,7 +257,8 @@ def query(db, name, sql, params, fmt, list_, dataset) -> None:
         key, sep, value = p.partition("=")
         if not sep:
             raise KvtraceError(f"--param {p!r}: expected NAME=VALUE")
-        values[key.strip()] = _coerce(value)
+        # A session id is text even when it looks like a number (`-p session=12345`).
+        values[key.strip()] = value if key.strip() == "session" else _coerce(value)
     if dataset is not None:
         from kvtrace.export.dataset import open_dataset
 

@@ -143,3 +143,29 @@ def test_environment_and_command_line_redaction(tmp_path):
                               "8000", "--password", "<redacted>"]
     assert doc["env"]["HF_TOKEN"] == "<redacted>"
     assert "hf-secret-value" not in json.dumps(doc) and "k1" not in doc["command"]
+
+
+@pytest.mark.parametrize("argv, hidden, kept", [
+    (["sh", "-c", "vllm serve m --verbose --api-key abc1 --port 8000"], ["abc1"], ["--port 8000", "--verbose"]),
+    (["sh", "-c", "vllm serve m --api-key='a b c' --port 8000"], ["a b c"], ["--port 8000"]),
+    (["env", "HF_TOKEN=hf_x1", "OPENAI_API_KEY=sk-x2", "vllm", "serve", "m"], ["hf_x1", "sk-x2"], ["vllm"]),
+    (["python", "run.py", "--url", "https://user:pw1@host.example/x"], ["user:pw1"], ["host.example/x"]),
+    (["vllm", "serve", "m", "--max-num-batched-tokens", "512", "--ssl-keyfile", "/k.pem", "--tokenizer", "t"],
+     [], ["512", "/k.pem", "t"]),
+])
+def test_redaction_by_what_a_value_is(argv, hidden, kept):
+    """Secrets inside shell strings, assignments and URLs go; values of harmless options whose names
+    merely contain a secret-like word (batched *tokens*, ssl *keyfile*) stay."""
+    from kvtrace.format.session import redact_argv
+
+    text = json.dumps(redact_argv(argv))
+    assert all(h not in text for h in hidden), text
+    assert all(k in text for k in kept), text
+
+
+def test_environment_urls_lose_their_credentials():
+    from kvtrace.format.session import redact_env
+
+    env = redact_env({"HF_ENDPOINT": "https://me:pw2@hub.example/api", "VLLM_MAX_TOKENS": "5", "VLLM_API_KEY": "k"})
+    assert env == {"HF_ENDPOINT": "https://<redacted>@hub.example/api", "VLLM_MAX_TOKENS": "5",
+                   "VLLM_API_KEY": "<redacted>"}

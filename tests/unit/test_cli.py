@@ -143,3 +143,23 @@ def test_a_query_with_no_rows_says_why_on_stderr(tmp_path):
     assert out.stdout.startswith("time_pct") and "--nsys" in out.stderr
     out = run_kvtrace("query", str(db), "--sql", "select 1 as x where false")
     assert out.stderr == ""  # SQL of the user's own: no rows is an answer
+
+
+def test_table_output_escapes_control_characters_and_session_ids_stay_text(tmp_path):
+    import duckdb
+
+    from kvtrace.store.layout import create_tables
+
+    db = tmp_path / "t.duckdb"
+    con = duckdb.connect(str(db))
+    create_tables(con)
+    con.close()
+    out = run_kvtrace("query", str(db), "--sql", "select 'job' || chr(27) || ']0;pwned' || chr(7) || 'x' as rid")
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout
+    assert "job\\x1b]0;pwned\\x07x" in out.stdout
+    # json keeps the exact value (escaped by JSON itself)
+    out = run_kvtrace("query", str(db), "--sql", "select chr(27) as c", "--format", "json")
+    assert json.loads(out.stdout) == [{"c": "\x1b"}]
+    out = run_kvtrace("query", str(db), "--sql", "select $session as s, typeof($session) as t",
+                      "-p", "session=12345", "--format", "json")
+    assert json.loads(out.stdout) == [{"s": "12345", "t": "VARCHAR"}]

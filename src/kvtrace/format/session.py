@@ -26,7 +26,15 @@ from kvtrace.version import __version__
 
 MANIFEST = "manifest.json"
 PROC_FILE = "proc.json"
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.I)
+# A name is secret-looking when one of its words (split at - _ .) is one of these: `--api-key`,
+# `HF_TOKEN`, `OPENAI_API_KEY`, but not `--max-num-batched-tokens` or `--ssl-keyfile`.
+SECRET_WORDS = frozenset({"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PWD", "PASS",
+                          "CREDENTIAL", "CREDENTIALS", "AUTH", "AUTHORIZATION", "COOKIE"})
+URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"]+@")
+# Inside one argument (a `sh -c '...'` string too): `--name VALUE`, `--name=VALUE`, `NAME=VALUE`.
+# (A value never starts with "-", so `--verbose --api-key X` is two options, not one with a value.)
+OPTION_VALUE = re.compile(r"""(?P<name>(?<![\w-])--?[A-Za-z0-9_.-]+(?P<sep>=|\s+)|\b[A-Za-z_][A-Za-z0-9_]*=)"""
+                          r"""(?P<value>'[^']*'|"[^"]*"|[^\s'"-][^\s'"]*)""")
 # Environment variables worth keeping in the manifest (values of secret-looking names are redacted).
 ENV_PREFIXES = ("VLLM_", "KVTRACE_", "CUDA_", "OMP_", "HF_", "TORCH_", "NCCL_")
 
@@ -53,29 +61,43 @@ def session_size_bytes(session_dir: Path) -> int:
     return total
 
 
+def secret_name(name: str) -> bool:
+    """Whether an option or variable name says its value is a secret (by its words, SECRET_WORDS)."""
+    return any(w in SECRET_WORDS for w in re.split(r"[-_.]+", name.lstrip("-").upper()) if w)
+
+
+def redact_text(text: str) -> str:
+    """`text` with secrets replaced: credentials in URLs, and the values of secret-looking options and
+    assignments inside it (a whole `sh -c` command line, `env HF_TOKEN=... cmd`)."""
+    text = URL_USERINFO.sub(r"\1<redacted>@", text)
+
+    def hide(m: re.Match) -> str:
+        name = m.group("name")
+        return name + "<redacted>" if secret_name(name.rstrip("= \t\n")) else m.group(0)
+
+    return OPTION_VALUE.sub(hide, text)
+
+
 def redact_env(env: dict[str, str]) -> dict[str, str]:
     """The environment variables worth keeping, with secret-looking values replaced."""
     kept = {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES)}
-    return {k: ("<redacted>" if SECRET_NAME.search(k) else v) for k, v in sorted(kept.items())}
+    return {k: ("<redacted>" if secret_name(k) else redact_text(v)) for k, v in sorted(kept.items())}
 
 
 def redact_argv(argv: list[str]) -> list[str]:
-    """The command line with the values of secret-looking options replaced (`--api-key X`, `--hf-token=X`)."""
+    """The command line with secrets replaced: the value after a secret-looking option (`--api-key X`),
+    and whatever `redact_text` finds inside each argument."""
     out: list[str] = []
     hide_next = False
     for arg in argv:
         if hide_next:
             out.append("<redacted>")
             hide_next = False
-            continue
-        if arg.startswith("-") and SECRET_NAME.search(arg):
-            if "=" in arg:
-                out.append(arg.split("=", 1)[0] + "=<redacted>")
-            else:
-                out.append(arg)
-                hide_next = True
-            continue
-        out.append(arg)
+        elif arg.startswith("-") and "=" not in arg and secret_name(arg):
+            out.append(arg)
+            hide_next = True
+        else:
+            out.append(redact_text(arg))
     return out
 
 
