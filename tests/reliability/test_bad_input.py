@@ -242,3 +242,24 @@ def test_open_shard_is_reported_unless_its_process_flushed_everything(tmp_path, 
     if reported:
         assert res.problems == [f"{shard.path}: not closed (its process was killed or is still running); "
                                 "read to its last whole batch, 3 rows"]
+
+
+def test_another_tools_database_with_a_sessions_table_is_not_written(tmp_path):
+    """A table called `sessions` does not make a database kvtrace's: ingest -o it refuses before
+    writing anything, and the file keeps exactly its tables."""
+    import duckdb
+
+    path = tmp_path / "web_app.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE sessions (id INTEGER, user_name VARCHAR)")
+    con.execute("INSERT INTO sessions VALUES (1, 'alice')")
+    con.close()
+    proc = kv("ingest", str(BAD / "killed_mid_batch"), "-o", str(path))
+    assert_one_line_error(proc, "web_app.duckdb", "not one kvtrace wrote")
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        tables = [r[0] for r in con.execute("select table_name from information_schema.tables").fetchall()]
+        assert tables == ["sessions"]
+        assert con.execute("select * from sessions").fetchall() == [(1, "alice")]
+    finally:
+        con.close()

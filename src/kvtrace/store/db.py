@@ -8,6 +8,8 @@ import duckdb
 
 from kvtrace.errors import KvtraceError
 
+OLD_KVTRACE_TABLES = frozenset({"sessions", "procs", "steps", "request_events", "block_events"})
+
 
 def open_db(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnection:
     """Open a kvtrace DuckDB file; a one-line KvtraceError when it is not one."""
@@ -25,7 +27,10 @@ def open_db(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
         raise KvtraceError(f"{path}: not a DuckDB database ({str(exc).splitlines()[0][:120]})") from None
     if read_only or existed:
         tables = {r[0] for r in con.execute("select table_name from information_schema.tables").fetchall()}
-        ours = "kvtrace_meta" in tables or "sessions" in tables or any(t.startswith("nsys_") for t in tables)
+        # Ours: kvtrace's marker table, or the core tables of a kvtrace database from before it (a table
+        # called `sessions` alone is another tool's; so is an `nsys_` name without nsys_exports).
+        ours = ("kvtrace_meta" in tables or OLD_KVTRACE_TABLES <= tables
+                or ("nsys_exports" in tables and all(t.startswith("nsys_") for t in tables)))
         if not ours and (read_only or tables):
             con.close()
             what = "refusing to add kvtrace tables to it" if not read_only else "no kvtrace tables"
