@@ -8,6 +8,7 @@ DuckDB file). Every command runs as a subprocess, as a user runs it. See docs/re
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -263,3 +264,28 @@ def test_another_tools_database_with_a_sessions_table_is_not_written(tmp_path):
         assert con.execute("select * from sessions").fetchall() == [(1, "alice")]
     finally:
         con.close()
+
+
+@pytest.mark.parametrize("tables, needle", [
+    ({"steps AS SELECT 1; COPY (SELECT 42) TO 'PWNED'; CREATE VIEW x": {"columns": []}}, "not a plain identifier"),
+    ({"../../etc": {"columns": []}}, "not a plain identifier"),
+    ({"steps": {"columns": [["step", "BIGINT) AS x, (SELECT 1); COPY (SELECT 42) TO 'PWNED'; --"]]}},
+     "is not a DuckDB type name"),
+    ({"steps": {"columns": [["step"]]}}, "is not [name, type]"),
+    ({"steps": {"columns": "BIGINT"}}, "'columns' is not a list"),
+    (["steps"], "'tables' is not an object"),
+])
+def test_a_dataset_description_cannot_run_sql(tmp_path, monkeypatch, tables, needle):
+    """The dataset's _kvtrace_dataset.json names tables and types that go into SQL: a crafted one is
+    refused with one line, and nothing it asks for (here: a COPY to a file) happens."""
+    from kvtrace.export.dataset import FORMAT, META
+    from kvtrace.format import schema
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    (root / META).write_text(json.dumps({"format": FORMAT, "schema_version": schema.SCHEMA_VERSION,
+                                         "tables": tables, "sessions": {}}))
+    monkeypatch.chdir(tmp_path)
+    proc = kv("query", "--dataset", str(root), "summary")
+    assert_one_line_error(proc, META, needle)
+    assert not any(p.name == "PWNED" for p in tmp_path.rglob("*"))

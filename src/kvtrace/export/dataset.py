@@ -13,6 +13,7 @@ describes the layout; the columns are those of the DuckDB tables (docs/schema.md
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -137,7 +138,9 @@ def _new_meta() -> dict[str, Any]:
 def _default_tables() -> dict[str, Any]:
     """Every table a kvtrace database can hold, so a view exists (empty) even when no session has rows
     in it: the canned queries then run on any dataset."""
-    con = duckdb.connect()
+    from kvtrace.store.db import connect
+
+    con = connect()
     try:
         from kvtrace.store.layout import create_tables
 
@@ -194,7 +197,10 @@ def open_dataset(root: str | Path) -> duckdb.DuckDBPyConnection:
     if not root.is_dir():
         raise KvtraceError(f"{root}: no such dataset directory")
     meta = _read_meta(root)
-    con = duckdb.connect()
+    _check_tables(root, meta["tables"])
+    from kvtrace.store.db import connect
+
+    con = connect()
     try:
         for table, info in sorted(meta["tables"].items()):
             con.execute(f"CREATE VIEW {table} AS {_view_sql(con, root, table, info.get('columns', []))}")
@@ -208,6 +214,32 @@ def open_dataset(root: str | Path) -> duckdb.DuckDBPyConnection:
         con.close()
         raise KvtraceError(f"{root}: cannot read the dataset ({str(exc).splitlines()[0][:200]})") from None
     return con
+
+
+# What a dataset description may name: the description is read from disk, and its names and types go
+# into SQL (CREATE VIEW name ..., CAST(NULL AS type)), so anything else is refused, never quoted around.
+TABLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")
+COLUMN_TYPE = re.compile(r"[A-Z][A-Z0-9 ]{0,40}(\(\d{1,3}(, ?\d{1,3})?\))?(\[\])*")
+
+
+def _check_tables(root: Path, tables: Any) -> None:
+    """Every table name and column type of the description is a plain identifier / type name."""
+    where = root / META
+    if not isinstance(tables, dict):
+        raise KvtraceError(f"{where}: 'tables' is not an object")
+    for table, info in tables.items():
+        if not isinstance(table, str) or not TABLE_NAME.fullmatch(table):
+            raise KvtraceError(f"{where}: table name {str(table)[:60]!r} is not a plain identifier")
+        columns = info.get("columns", []) if isinstance(info, dict) else None
+        if not isinstance(columns, list):
+            raise KvtraceError(f"{where}: table {table}: 'columns' is not a list")
+        for col in columns:
+            if (not isinstance(col, list) or len(col) != 2 or not all(isinstance(x, str) for x in col)
+                    or len(col[0]) > 200):
+                raise KvtraceError(f"{where}: table {table}: a column is not [name, type]")
+            if not COLUMN_TYPE.fullmatch(col[1]):
+                raise KvtraceError(f"{where}: table {table}, column {col[0][:60]!r}: type {col[1][:60]!r} "
+                                   "is not a DuckDB type name")
 
 
 def _view_sql(con: duckdb.DuckDBPyConnection, root: Path, table: str, columns: list[list[str]]) -> str:

@@ -8,6 +8,16 @@ import duckdb
 
 from kvtrace.errors import KvtraceError
 
+# No connection of ours downloads or loads an extension behind the user's back: what kvtrace needs (json,
+# parquet) is built into DuckDB's Python package, and a file it reads must never make it go online.
+NO_NETWORK = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
+
+
+def connect(path: str = ":memory:", read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """duckdb.connect with NO_NETWORK."""
+    return duckdb.connect(path, read_only=read_only, config=dict(NO_NETWORK))
+
+
 OLD_KVTRACE_TABLES = frozenset({"sessions", "procs", "steps", "request_events", "block_events"})
 
 
@@ -22,7 +32,7 @@ def open_db(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
         raise KvtraceError(f"{path}: directory {path.parent} does not exist")
     existed = path.exists() and path.stat().st_size > 0
     try:
-        con = duckdb.connect(str(path), read_only=read_only)
+        con = connect(str(path), read_only=read_only)
     except duckdb.Error as exc:
         raise KvtraceError(f"{path}: not a DuckDB database ({str(exc).splitlines()[0][:120]})") from None
     if read_only or existed:
