@@ -289,3 +289,23 @@ def test_a_dataset_description_cannot_run_sql(tmp_path, monkeypatch, tables, nee
     proc = kv("query", "--dataset", str(root), "summary")
     assert_one_line_error(proc, META, needle)
     assert not any(p.name == "PWNED" for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge"])
+def test_a_manifest_that_is_not_a_small_regular_file(tmp_path, kind):
+    """A manifest that is a FIFO (reading it would block forever), a link to /dev/zero (would never
+    end) or a huge file: one line, exit 1, promptly."""
+    import os
+
+    session = tmp_path / "s"
+    (session / "procs").mkdir(parents=True)
+    manifest = session / "manifest.json"
+    if kind == "fifo":
+        os.mkfifo(manifest)
+    elif kind == "dev-zero":
+        manifest.symlink_to("/dev/zero")
+    else:
+        with open(manifest, "wb") as f:
+            f.truncate(64 << 20)  # sparse: 64 MiB of zeros
+    proc = kv("ingest", str(session), "-o", str(tmp_path / "out.duckdb"))  # kv() has a timeout
+    assert_one_line_error(proc, "manifest.json", "unreadable manifest")

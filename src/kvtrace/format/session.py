@@ -129,6 +129,31 @@ def new_manifest(command: list[str], options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# manifest.json and proc.json are small (a few KB; a process with many warnings, tens of KB).
+MAX_JSON_BYTES = 16 << 20
+
+
+def read_small_file(path: Path, limit: int = MAX_JSON_BYTES) -> str:
+    """A regular file's text, at most `limit` bytes; OSError for anything else (a FIFO would block, a
+    link to /dev/zero would never end), so reading a session is bounded in time and memory."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError("not a regular file")
+        if st.st_size > limit:
+            raise OSError(f"{st.st_size:,} bytes, more than the {limit:,} a kvtrace file can have")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise OSError(f"more than the {limit:,} bytes a kvtrace file can have")
+    return data.decode("utf-8")
+
+
 def read_manifest(session_dir: Path) -> dict[str, Any]:
     """The session's manifest, checked; a one-line KvtraceError for anything wrong."""
     session_dir = Path(session_dir)
@@ -144,8 +169,8 @@ def read_manifest(session_dir: Path) -> dict[str, Any]:
                     "status": "unknown", "synthesized": True}
         raise KvtraceError(f"{session_dir}: not a kvtrace session (no {MANIFEST} and no procs/)")
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = json.loads(read_small_file(path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise KvtraceError(f"{path}: unreadable manifest ({exc})") from None
     if not isinstance(doc, dict) or "schema_version" not in doc:
         raise KvtraceError(f"{path}: not a kvtrace manifest (no schema_version)")
@@ -168,10 +193,10 @@ def read_proc(proc_dir: Path) -> dict[str, Any]:
     """A process's proc.json, or a stand-in when it is missing or cut (the process was killed)."""
     path = proc_dir / PROC_FILE
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_small_file(path))
         if isinstance(doc, dict):
             return doc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         pass
     role, _, pid = proc_dir.name.rpartition("-")
     return {"role": role or "proc", "pid": int(pid) if pid.isdigit() else 0, "rank": 0,
