@@ -85,10 +85,12 @@ def event_rows(n: int) -> list[tuple]:
 
 
 def write_shard(proc_dir: Path, table: str, batches: list[list[tuple]], close: bool = True) -> Path:
-    """A shard written by kvtrace's own writer: returns its path (.arrows, or .arrows.partial if open)."""
+    """A shard written by kvtrace's own writer: returns its path (.arrows, or .arrows.partial if open).
+    Numbered after the table's shards already in `proc_dir`, as one process's writer numbers them."""
     from kvtrace.format.shards import ShardWriter, rows_to_batch
 
     w = ShardWriter(proc_dir, table, rotate_bytes=1 << 30, rotate_s=1e9)
+    w.seq = len(list(proc_dir.glob(f"{table}.*.arrows*")))
     for rows in batches:
         w.write(rows_to_batch(table, rows))
     if close:

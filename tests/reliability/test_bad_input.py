@@ -100,7 +100,7 @@ def test_killed_mid_batch_keeps_every_whole_batch_and_reports_the_cut(tmp_path):
     # 3 rows from the closed shard + the first whole batch (4 rows) of the open one; the cut batch is gone.
     assert [r[0] for r in con.execute("select step from steps order by step").fetchall()] == [1, 2, 3, 4, 5, 6, 7]
     issues = con.execute("select file, problem, bytes_cut from ingest_issues").fetchall()
-    assert len(issues) == 1 and issues[0][0].endswith("steps.00000.arrows.partial") and issues[0][2] == 1508
+    assert len(issues) == 1 and issues[0][0].endswith("steps.00001.arrows.partial") and issues[0][2] == 1508
     con.close()
 
 
@@ -309,3 +309,23 @@ def test_a_manifest_that_is_not_a_small_regular_file(tmp_path, kind):
             f.truncate(64 << 20)  # sparse: 64 MiB of zeros
     proc = kv("ingest", str(session), "-o", str(tmp_path / "out.duckdb"))  # kv() has a timeout
     assert_one_line_error(proc, "manifest.json", "unreadable manifest")
+
+
+def test_a_shard_beside_its_own_partial_copy_is_read_once(tmp_path):
+    """A copy of a session taken while a shard was being closed can hold it twice, as `.arrows` and
+    `.arrows.partial`: its rows are counted once and ingest says why."""
+    session = tmp_path / "s"
+    shutil.copytree(BAD / "killed_before_header", session)
+    pdir = next((session / "procs").iterdir())
+    closed = pdir / "steps.00000.arrows"
+    shutil.copy(closed, pdir / "steps.00000.arrows.partial")
+    db = tmp_path / "s.duckdb"
+    proc = kv("ingest", str(session), "-o", str(db))
+    assert proc.returncode == 0, proc.stderr
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        assert con.execute("select count(*) from steps").fetchall() == [(2,)]
+        issues = [p for p, in con.execute("select problem from ingest_issues").fetchall()]
+    finally:
+        con.close()
+    assert any("steps.00000.arrows.partial: the same shard as steps.00000.arrows" in p for p in issues), issues

@@ -166,6 +166,9 @@ class Shard:
     # The writing process's proc.json status: "flushed" means it wrote everything it held when
     # `kvtrace record` asked, just before vLLM stopped it, so its open shards miss nothing.
     proc_status: str | None = None
+    # A `.partial` of the same name lies beside this closed shard (a copy of a session taken while it
+    # was closing): the same rows twice. The closed one is read, once, and ingest says so.
+    beside_partial: bool = False
 
 
 @dataclass
@@ -184,20 +187,27 @@ def list_shards(proc_dir: Path, status: str | None = None) -> list[Shard]:
     shards = []
     if status is None:
         status = read_proc(proc_dir).get("status")
-    for name in sorted(os.listdir(proc_dir)):
+    names = set(os.listdir(proc_dir))
+    for name in sorted(names):
         is_open = name.endswith(SHARD_SUFFIX + OPEN_SUFFIX)
         if not (is_open or name.endswith(SHARD_SUFFIX)):
             continue
+        if is_open and name[: -len(OPEN_SUFFIX)] in names:
+            continue  # the closed shard of the same name has these rows (and says so when read)
         table = name.split(".", 1)[0]
         if table not in schema.SHARD_TABLES:
             raise KvtraceError(f"{proc_dir / name}: shard of unknown table {table!r}")
-        shards.append(Shard(proc_dir / name, table, is_open, status))
+        shards.append(Shard(proc_dir / name, table, is_open, status,
+                            beside_partial=not is_open and name + OPEN_SUFFIX in names))
     return shards
 
 
 def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
     """Yield the shard's batches, checked against its table's schema; fills `result` as it goes."""
     path = shard.path
+    if shard.beside_partial:
+        result.problems.append(f"{path}{OPEN_SUFFIX}: the same shard as {path.name}, not yet removed (a copy "
+                               "of a session taken while it closed?): its rows were read once")
     try:
         size = path.stat().st_size
     except FileNotFoundError:
