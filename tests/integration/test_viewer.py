@@ -178,6 +178,27 @@ def test_budget_aggregates_and_says_so(recorded_run):
     assert len(dec(data["steps"]["step"])) == data["meta"]["counts"]["steps"]  # steps stay complete
 
 
+def test_a_large_pool_says_the_row_cap_not_the_budget_bins_its_blocks(recorded_run, tmp_path):
+    """vllm serve's default pool has tens of thousands of blocks: the view bins them to its row cap, and
+    the notice says so rather than pointing at --max-events, which would change nothing."""
+    from kvtrace.export.viewer.data import MAX_BLOCK_ROWS, build, open_session
+
+    db = tmp_path / "big-pool.duckdb"
+    shutil.copy(recorded_run["db"], db)
+    with duckdb.connect(str(db)) as con:
+        con.execute("UPDATE steps SET kv_blocks_total = 32767")  # 32,768 blocks with the null block
+    con, sid = open_session(db, None)
+    try:
+        data = build(con, sid)
+    finally:
+        con.close()
+    heat = data["heat"]
+    assert heat["block_bin"] == 32768 // MAX_BLOCK_ROWS and heat["rows"] == MAX_BLOCK_ROWS and heat["step_bin"] == 1
+    (note,) = [n["text"] for n in data["notices"] if n["text"].startswith("KV heatmap")]
+    assert f"at most {MAX_BLOCK_ROWS:,} block rows (32,768 blocks in the pool)" in note
+    assert "--max-events" not in note
+
+
 def test_session_choice(recorded_run, tmp_path):
     from kvtrace.export.viewer import export_html
 

@@ -391,7 +391,7 @@ def _block_bin(pool_blocks: int) -> int:
 def _heat(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
     """The block x time heatmap: per-layer reads/writes from kv_access, else block events, per step bin."""
     n_access = meta["counts"]["kv_access"]
-    m = _block_bin(meta["pool_blocks"])
+    m = m_rows = _block_bin(meta["pool_blocks"])  # m_rows: what the view's row cap alone asks for
     if n_access:
         source, names = "kv_access", ["read", "write"]
         rows = """SELECT s.idx, a.block_id, a.layer, a.op::INTEGER AS op
@@ -432,10 +432,17 @@ def _heat(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
     k = 1 << j
     if k > 1 or m > 1:
         what = "KV accesses" if n_access else "block events"
+        # Say what decided the cells: the export's budget (which --max-events raises) for step bins and
+        # blocks binned beyond the row cap; the view's MAX_BLOCK_ROWS rows otherwise.
+        why = []
+        if m_rows > 1:
+            why.append(f"the view draws at most {MAX_BLOCK_ROWS:,} block rows "
+                       f"({meta['pool_blocks']:,} blocks in the pool)")
+        if k > 1 or m > m_rows:
+            why.append(f"{len(cells['bin']):,} cells fit the export's budget of {cap:,} "
+                       "(raise --max-events for finer cells)")
         notices.append({"kind": "aggregated", "text": (
-            f"KV heatmap: {what} are summed per {k} step(s) x {m} block(s) so that "
-            f"{len(cells['bin']):,} cells fit the export's budget of {cap:,} "
-            "(raise --max-events for finer cells).")})
+            f"KV heatmap: {what} are summed per {k} step(s) x {m} block(s): " + "; ".join(why) + ".")})
     layer_index = {lay: i for i, lay in enumerate(layers)}
     cells["layer"] = [layer_index[v] for v in cells["layer"]]
     cells["bin"], cells["blk"] = delta(cells["bin"]), cells["blk"]
