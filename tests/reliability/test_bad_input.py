@@ -329,3 +329,23 @@ def test_a_shard_beside_its_own_partial_copy_is_read_once(tmp_path):
     finally:
         con.close()
     assert any("steps.00000.arrows.partial: the same shard as steps.00000.arrows" in p for p in issues), issues
+
+
+def test_an_nsys_export_with_a_rowid_near_2_63_reads_in_bounded_time(tmp_path):
+    """Rowids are the file's to choose: one kernel row moved to rowid 2^63 - 2 must not make ingest plan
+    work for every rowid below it; the rows are read all the same."""
+    import sqlite3
+
+    path = tmp_path / "sparse.sqlite"
+    shutil.copy(BAD / "nsys_small.sqlite", path)
+    con = sqlite3.connect(path)
+    (n,) = con.execute("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchone()
+    con.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET rowid = 9223372036854775806 "
+                "WHERE rowid = (SELECT max(rowid) FROM CUPTI_ACTIVITY_KIND_KERNEL)")
+    con.commit()
+    con.close()
+    db = tmp_path / "sparse.duckdb"
+    proc = kv("ingest", "--nsys", str(path), "-o", str(db))  # kv() has a timeout
+    assert proc.returncode == 0, proc.stderr
+    with duckdb.connect(str(db), read_only=True) as c:
+        assert c.execute("SELECT count(*) FROM nsys_kernels").fetchall() == [(n,)]

@@ -155,6 +155,22 @@ def select_sql(export: Export, table: str, columns: Sequence[Column], where: str
     return f"SELECT {first} UNION ALL SELECT {rest} FROM {_q(table)}{where}"
 
 
+def _rowid_ranges(export: Export, table: str, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Rowid ranges of about CHUNK_ROWS rows each. nsys numbers rows densely, so fixed-width ranges
+    over [lo, hi] do; a file whose rowids are sparse (a row at 2^62 among a few hundred) is walked row
+    by row instead, so the number of ranges follows the rows present, not the rowid values."""
+    (n,) = export.con.execute(f"SELECT count(*) FROM {_q(table)}").fetchone()
+    if hi - lo < 4 * n + CHUNK_ROWS:
+        return [(a, min(a + CHUNK_ROWS, hi + 1) - 1) for a in range(lo, hi + 1, CHUNK_ROWS)]
+    out, a = [], lo
+    while a is not None:
+        (b,) = export.con.execute(f"SELECT max(rowid) FROM (SELECT rowid FROM {_q(table)} WHERE rowid >= ? "
+                                  f"ORDER BY rowid LIMIT {CHUNK_ROWS})", [a]).fetchone()
+        out.append((a, b))
+        (a,) = export.con.execute(f"SELECT min(rowid) FROM {_q(table)} WHERE rowid > ?", [b]).fetchone()
+    return out
+
+
 def read_table(export: Export, table: str, columns: Sequence[Column]) -> Iterator[pa.Table]:
     """The table's rows as Arrow tables (one per rowid range, read in parallel), typed as `columns` says."""
     try:
@@ -163,7 +179,7 @@ def read_table(export: Export, table: str, columns: Sequence[Column]) -> Iterato
         raise export.fail(f"cannot read {table} ({exc})") from None
     if lo is None:
         return
-    ranges = [(a, min(a + CHUNK_ROWS, hi + 1) - 1) for a in range(lo, hi + 1, CHUNK_ROWS)]
+    ranges = _rowid_ranges(export, table, lo, hi)
     queries = [select_sql(export, table, columns, f" WHERE rowid BETWEEN {a} AND {b}") for a, b in ranges]
     if len(queries) == 1:
         yield _read(export, table, queries[0], columns)
