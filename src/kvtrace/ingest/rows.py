@@ -441,15 +441,19 @@ def _match_slots(have_steps: np.ndarray, have_slots: np.ndarray, keys: np.ndarra
     if not len(have_steps):
         return _int32_array(np.full(len(steps), NULL_REQUEST_KEY, np.int32))
     pairs = _step_slot(have_steps, have_slots)
-    starts = np.flatnonzero(np.r_[True, have_steps[1:] != have_steps[:-1]])
-    first_row = np.full(hi - lo + 1, -1, dtype=np.int64)
-    first_row[have_steps[starts] - lo] = starts
     wanted = _step_slot(steps, slots)
-    row = first_row[steps - lo]
-    at = (row + slots - have_slots[row]).clip(0, len(pairs) - 1)
-    off = pairs[at] != wanted
-    if off.any():
-        at[off] = np.searchsorted(pairs, wanted[off]).clip(0, len(pairs) - 1)
+    if hi - lo < 4 * (len(steps) + len(have_steps)) + 4096:
+        # Steps are dense (the usual case): a table of each step's first row, then direct indexing.
+        starts = np.flatnonzero(np.r_[True, have_steps[1:] != have_steps[:-1]])
+        first_row = np.full(hi - lo + 1, -1, dtype=np.int64)
+        first_row[have_steps[starts] - lo] = starts
+        row = first_row[steps - lo]
+        at = (row + slots - have_slots[row]).clip(0, len(pairs) - 1)
+        off = pairs[at] != wanted
+        if off.any():
+            at[off] = np.searchsorted(pairs, wanted[off]).clip(0, len(pairs) - 1)
+    else:  # steps far apart (a row with a huge step): a table over their range would not fit memory
+        at = np.searchsorted(pairs, wanted).clip(0, len(pairs) - 1)
     return _int32_array(np.where(pairs[at] == wanted, keys[at], NULL_REQUEST_KEY).astype(np.int32, copy=False))
 
 
