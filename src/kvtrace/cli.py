@@ -279,6 +279,7 @@ def query(db, name, sql, params, fmt, list_, dataset) -> None:
             raise KvtraceError("give a canned query name or --sql (kvtrace query --list shows the names)")
         if _print_chunks(columns, chunks, fmt) == 0 and name and not sql:  # on stderr: stdout stays data
             why = q.empty or "nothing in the database matches"
+            sys.stdout.flush()  # the (empty) result first, then the note, also on one terminal
             click.echo(f"kvtrace: {name}: no rows: {why}", err=True)
     finally:
         con.close()
