@@ -349,3 +349,20 @@ def test_an_nsys_export_with_a_rowid_near_2_63_reads_in_bounded_time(tmp_path):
     assert proc.returncode == 0, proc.stderr
     with duckdb.connect(str(db), read_only=True) as c:
         assert c.execute("SELECT count(*) FROM nsys_kernels").fetchall() == [(n,)]
+
+
+def test_a_process_folder_reachable_through_a_link_is_counted_once(tmp_path):
+    session = tmp_path / "s"
+    shutil.copytree(BAD / "killed_before_header", session)
+    pdir = next((session / "procs").iterdir())
+    (session / "procs" / "again-1").symlink_to(pdir, target_is_directory=True)
+    db = tmp_path / "s.duckdb"
+    proc = kv("ingest", str(session), "-o", str(db))
+    assert proc.returncode == 0, proc.stderr
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        assert con.execute("select count(*) from steps").fetchall() == [(2,)]
+        issues = [p for p, in con.execute("select problem from ingest_issues").fetchall()]
+    finally:
+        con.close()
+    assert any("again-1: a link, not read" in p for p in issues), issues

@@ -185,8 +185,16 @@ def read_manifest(session_dir: Path) -> dict[str, Any]:
 
 
 def proc_dirs(session_dir: Path) -> list[Path]:
+    """The session's process folders. Links are left out (`linked_proc_dirs`): kvtrace makes none, and a
+    folder reachable twice, itself and through a link, would count its process twice."""
     procs = Path(session_dir) / "procs"
-    return sorted(p for p in procs.iterdir() if p.is_dir()) if procs.is_dir() else []
+    return sorted(p for p in procs.iterdir() if p.is_dir() and not p.is_symlink()) if procs.is_dir() else []
+
+
+def linked_proc_dirs(session_dir: Path) -> list[Path]:
+    """Entries of procs/ that are links (not read: `proc_dirs`)."""
+    procs = Path(session_dir) / "procs"
+    return sorted(p for p in procs.iterdir() if p.is_symlink()) if procs.is_dir() else []
 
 
 def read_proc(proc_dir: Path) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import duckdb
 
 from kvtrace.format import schema
-from kvtrace.format.session import CLOSED_STATUSES, SessionDir, engine_config, verdict
+from kvtrace.format.session import CLOSED_STATUSES, SessionDir, engine_config, linked_proc_dirs, verdict
 from kvtrace.format.shards import ShardRead, list_shards, loaded_batch, loads_into, read_shard
 from kvtrace.ingest.derive import (
     derive_requests,
@@ -147,7 +147,9 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
     total = sum(len(s) for _, _, s in shards_by_proc)
     bar = Progress(f"ingest {session_dir.name}", total, progress)
     rows: dict[str, int] = {t: 0 for t in schema.TABLES}
-    issues: list[tuple[str, str, int]] = []
+    issues: list[tuple[str, str, int]] = [
+        (str(p), f"{p}: a link, not read (kvtrace makes none; a process folder read through one could "
+                 "count twice)", 0) for p in linked_proc_dirs(session_dir)]
     # `kvtrace record` said the command ended cleanly and every process closed (whatever was missing).
     incomplete = manifest.get("status") not in CLOSED_STATUSES
     t0 = time.monotonic()
