@@ -204,3 +204,13 @@ def manifest(session: Path) -> dict:
 
 def kvtrace_warnings(text: str) -> list[str]:
     return [line for line in text.splitlines() if "kvtrace: warning:" in line]
+
+
+def session_line(stderr: str) -> str:
+    """`kvtrace record`'s closing line ("kvtrace: session DIR (status, exit N)"): the last such line,
+    followed only by the session's problems, one indented line each."""
+    lines = stderr.strip().splitlines()
+    at = max((i for i, line in enumerate(lines) if line.startswith("kvtrace: session ")), default=None)
+    assert at is not None, lines[-5:]
+    assert all(line.startswith("kvtrace:   ") for line in lines[at + 1:]), lines[at:]
+    return lines[at]

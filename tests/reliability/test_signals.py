@@ -31,6 +31,7 @@ from tests.helpers.reliability_util import (
     query,
     rows,
     serve_cmd,
+    session_line,
     start_record,
     wait_until,
 )
@@ -132,7 +133,7 @@ def test_signal_reaches_vllm_which_shuts_down_and_kvtrace_finalises(servers, nam
     unclosed = {p["pid"] for p in doc["procs"] if p["status"] not in ("complete", "flushed")}
     assert unclosed <= force_killed_by_vllm(rec), (unclosed, log[-3000:])
     assert (doc["status"] == "complete") == (not unclosed and child in (0, -2, -15, 130, 143))
-    last = rec.stderr.strip().splitlines()[-1]
+    last = session_line(rec.stderr)
     assert last.startswith(f"kvtrace: session {rec.session} (") and last.endswith(f"exit {child})"), last
     assert rec.notes["gone"], rec.notes["members"]
     assert rec.notes["recording"] == []
