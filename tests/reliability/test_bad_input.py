@@ -311,6 +311,15 @@ def test_a_manifest_that_is_not_a_small_regular_file(tmp_path, kind):
     assert_one_line_error(proc, "manifest.json", "unreadable manifest")
 
 
+def ingest_steps_and_issues(session: Path, db: Path) -> tuple[int, list[str]]:
+    """Ingest `session` into `db` (must succeed): its step rows and the problems ingest recorded."""
+    proc = kv("ingest", str(session), "-o", str(db))
+    assert proc.returncode == 0, proc.stderr
+    with duckdb.connect(str(db), read_only=True) as con:
+        ((steps,),) = con.execute("select count(*) from steps").fetchall()
+        return steps, [p for p, in con.execute("select problem from ingest_issues").fetchall()]
+
+
 def test_a_shard_beside_its_own_partial_copy_is_read_once(tmp_path):
     """A copy of a session taken while a shard was being closed can hold it twice, as `.arrows` and
     `.arrows.partial`: its rows are counted once and ingest says why."""
@@ -319,15 +328,8 @@ def test_a_shard_beside_its_own_partial_copy_is_read_once(tmp_path):
     pdir = next((session / "procs").iterdir())
     closed = pdir / "steps.00000.arrows"
     shutil.copy(closed, pdir / "steps.00000.arrows.partial")
-    db = tmp_path / "s.duckdb"
-    proc = kv("ingest", str(session), "-o", str(db))
-    assert proc.returncode == 0, proc.stderr
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        assert con.execute("select count(*) from steps").fetchall() == [(2,)]
-        issues = [p for p, in con.execute("select problem from ingest_issues").fetchall()]
-    finally:
-        con.close()
+    steps, issues = ingest_steps_and_issues(session, tmp_path / "s.duckdb")
+    assert steps == 2
     assert any("steps.00000.arrows.partial: the same shard as steps.00000.arrows" in p for p in issues), issues
 
 
@@ -356,13 +358,6 @@ def test_a_process_folder_reachable_through_a_link_is_counted_once(tmp_path):
     shutil.copytree(BAD / "killed_before_header", session)
     pdir = next((session / "procs").iterdir())
     (session / "procs" / "again-1").symlink_to(pdir, target_is_directory=True)
-    db = tmp_path / "s.duckdb"
-    proc = kv("ingest", str(session), "-o", str(db))
-    assert proc.returncode == 0, proc.stderr
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        assert con.execute("select count(*) from steps").fetchall() == [(2,)]
-        issues = [p for p, in con.execute("select problem from ingest_issues").fetchall()]
-    finally:
-        con.close()
+    steps, issues = ingest_steps_and_issues(session, tmp_path / "s.duckdb")
+    assert steps == 2
     assert any("again-1: a link, not read" in p for p in issues), issues

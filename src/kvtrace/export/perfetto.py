@@ -101,8 +101,7 @@ def build_trace(con, sid: str) -> dict[str, Any]:
         ]
     marks = [] if first is None else [  # a global marker where kvtrace query's t_s = 0
         {"name": "first engine step (t_s = 0 in kvtrace query)", "cat": "origin", "ph": "i", "s": "g",
-         "pid": pid_of[ranks[0]],
-         "tid": STEPS_TID, "ts": _us(first, t0)}]
+         "pid": pid_of[ranks[0]], "tid": STEPS_TID, "ts": _us(first, t0)}]
     events = (meta + marks + _steps(con, t0, pid_of) + _instants(con, sid, t0, pid_of)
               + _requests(con, sid, t0, pid_of))
     return {"traceEvents": events, "otherData": {"kvtrace_session": sid, **clock}}

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.errors import KvtraceError
+from kvtrace.format.schema import PROBE_FINE_STATUSES
 from kvtrace.format.session import (
     MANIFEST,
     engine_config,
@@ -50,7 +51,7 @@ def probe_verdict(doc: dict[str, Any]) -> str | None:
     for name, st in sorted(probes.items()):
         st = st if isinstance(st, dict) else {}
         part = f"{name} {st.get('status')}"
-        if st.get("status") not in ("attached", "off", "unused") and st.get("reason"):
+        if st.get("status") not in PROBE_FINE_STATUSES and st.get("reason"):
             part += f" ({str(st['reason'])[:160]})"
         parts.append(part)
     return ", ".join(parts)
