@@ -11,25 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kvtrace-gpu}
 mkdir -p "$OUT"
-STAGE=${KVTRACE_GPU_STAGE:-/tmp/stage}
-SITE=/tmp/site
-if [ ! -d "$SITE/vllm" ] && ls "$STAGE"/part.* >/dev/null 2>&1; then
-    echo "run_suite: unpacking $(cat "$STAGE"/part.* | wc -c) bytes" >&2
-    cat "$STAGE"/part.* | xz -d | tar x -C /tmp || { echo "run_suite: the pieces do not unpack" >&2; exit 2; }
-fi
-[ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-export KVTRACE_GPU_OUT="$OUT"
-# kvtrace installed (its vLLM plugin entry point must be visible to vLLM's processes); offline, no build
-# isolation. Where that fails, the source tree and a dist-info naming the entry point do the same.
-if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1; then
-    echo "run_suite: pip install failed (see install.log); using src/ and a hand-made dist-info" >&2
-    mkdir -p "$SITE/kvtrace-0.1.0.dist-info"
-    printf 'Metadata-Version: 2.1\nName: kvtrace\nVersion: 0.1.0\n' >"$SITE/kvtrace-0.1.0.dist-info/METADATA"
-    printf '[console_scripts]\nkvtrace = kvtrace.cli:main\n\n[vllm.general_plugins]\nkvtrace = kvtrace.probes.vllm.plugin:register\n' \
-        >"$SITE/kvtrace-0.1.0.dist-info/entry_points.txt"
-    export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. scripts/gpu/setup.sh
 python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")

@@ -1,0 +1,267 @@
+"""Throughput of a real vLLM run, plain and under `kvtrace record`, side by side in one run (issue 33).
+
+For each model shape, each round starts three processes running the same offline workload: plain, under
+`kvtrace record` at the default granularity (per-layer timing plus one layer's block lists per step),
+and under `kvtrace record --kv-granularity blocks --kv-layers all`. The order rotates between rounds,
+so drift on the machine hits every variant alike. Inside each process the engine is started and warmed
+up once, then the workload runs `--reps` times and each repetition is timed on its own: engine start,
+CUDA graph capture and the recorder's shutdown are outside the figures, which are
+
+- output tokens per second of `LLM.generate` (vLLM's defaults: CUDA graphs FULL_AND_PIECEWISE, Model
+  Runner V2, async scheduling, prefix caching; random weights from `load_format="dummy"`), and
+- CPU seconds of the worker's child processes per engine step: the EngineCore, which at tensor parallel
+  size 1 runs the scheduler, the host probes and the model runner. Steps are vLLM's own count (its
+  `iteration_tokens_total` histogram).
+
+Ratios are recorded / plain of the mean over all repetitions of each variant; the interval is a
+bootstrap over repetitions (within-process noise), and the per-round ratios are printed so the spread
+between processes shows too. Prompts are random token ids, different in every repetition and the same
+in every process, so the prefix cache never hits and every variant does identical work.
+
+    python bench/bench_gpu_throughput.py --shapes 1b,8b --rounds 2 --reps 3 --out DIR
+    python bench/bench_gpu_throughput.py --shapes tiny --device-check off   # smoke test on vLLM's CPU build
+
+Needs vLLM (its CUDA build for the real figures) and kvtrace importable in the same Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Llama shapes (Hugging Face config fields). Weights are never loaded: vLLM makes random ones.
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),  # Llama-3.1-8B
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),  # Llama-3.2-1B
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),  # smoke test on CPU
+}
+VARIANTS = {
+    "plain": None,
+    "default": [],
+    "all-layers": ["--kv-granularity", "blocks", "--kv-layers", "all"],
+}
+
+
+def write_model(folder: Path, shape: str) -> Path:
+    """A config-only Llama folder (vLLM's `load_format="dummy"` fills the weights)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", **SHAPES[shape]}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's descendants (the EngineCore and its helpers)."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def engine_steps(llm) -> int | None:
+    for m in llm.get_metrics():
+        if m.name == "vllm:iteration_tokens_total" and hasattr(m, "count"):
+            return int(m.count)
+    return None
+
+
+def worker(args) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine_args = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
+                       max_model_len=args.input_len + args.output_len + 16, seed=0,
+                       gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=False,
+                       **json.loads(args.engine_args))
+    llm = LLM(**engine_args)
+    vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, detokenize=False, temperature=0.0)
+
+    def prompts(rep: int) -> list:
+        rng = random.Random(f"prompts-{rep}")
+        return [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(args.input_len)])
+                for _ in range(args.num_prompts)]
+
+    llm.generate(prompts(-1)[: max(1, args.num_prompts // 4)], params, use_tqdm=False)  # warm-up
+    reps = []
+    for rep in range(args.reps):
+        batch = prompts(rep)
+        cpu0, steps0, t0 = children_cpu_s(), engine_steps(llm), time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        cpu1, steps1 = children_cpu_s(), engine_steps(llm)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps = steps1 - steps0 if steps0 is not None and steps1 is not None else None
+        reps.append({"seconds": seconds, "output_tokens": tokens, "engine_cpu_s": cpu1 - cpu0, "steps": steps})
+    Path(args.result).write_text(json.dumps({"reps": reps}))
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def run_variant(args, shape: str, model: Path, variant: str, rnd: int, work: Path) -> dict:
+    result = work / f"{shape}-{variant}-{rnd}.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", str(model), "--result", str(result),
+           "--reps", str(args.reps), "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--dtype", args.dtype, "--engine-args", args.engine_args,
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    session = work / f"session-{shape}-{variant}-{rnd}"
+    if VARIANTS[variant] is not None:
+        cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session), *VARIANTS[variant], "--", *cmd]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.monotonic() - t0
+    log = work / f"{shape}-{variant}-{rnd}.log"
+    log.write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-40000:])
+    if proc.returncode != 0 or not result.exists():
+        raise SystemExit(f"bench: {shape} {variant} round {rnd} failed (exit {proc.returncode}); see {log}:\n"
+                         + proc.stderr[-3000:])
+    out = json.loads(result.read_text())
+    out["wall_s"] = wall
+    # kvtrace record's closing lines: the session's status and what it lost, if anything.
+    said = [line for line in proc.stderr.splitlines() if line.startswith("kvtrace:")]
+    closing = [i for i, line in enumerate(said) if line.startswith("kvtrace: session")]
+    out["record_says"] = said[closing[-1]:] if closing else said[-2:]
+    if session.exists():
+        out["session_mb"] = sum(f.stat().st_size for f in session.rglob("*") if f.is_file()) / 1e6
+        shutil.rmtree(session, ignore_errors=True)
+    return out
+
+
+def throughput(rep: dict) -> float:
+    return rep["output_tokens"] / rep["seconds"]
+
+
+def cpu_per_step_ms(rep: dict) -> float | None:
+    return 1e3 * rep["engine_cpu_s"] / rep["steps"] if rep.get("steps") else None
+
+
+def ratio_ci(plain: list[float], other: list[float], n_boot: int = 4000) -> tuple[float, float, float]:
+    """Ratio of means, with a 95% bootstrap interval resampling each list."""
+    rng = random.Random(0)
+    boots = []
+    for _ in range(n_boot):
+        p = [rng.choice(plain) for _ in plain]
+        o = [rng.choice(other) for _ in other]
+        boots.append(statistics.fmean(o) / statistics.fmean(p))
+    boots.sort()
+    return (statistics.fmean(other) / statistics.fmean(plain), boots[int(0.025 * n_boot)],
+            boots[int(0.975 * n_boot) - 1])
+
+
+def report(shape: str, runs: dict[str, list[dict]], args) -> list[str]:
+    lines = [f"\n{shape}: {SHAPES[shape]['num_hidden_layers']} layers, {args.num_prompts} prompts x "
+             f"{args.input_len} in / {args.output_len} out, {args.rounds} rounds x {args.reps} reps"]
+    thr = {v: [throughput(r) for run in rs for r in run["reps"]] for v, rs in runs.items()}
+    cpu = {v: [c for run in rs for r in run["reps"] if (c := cpu_per_step_ms(r)) is not None] for v, rs in runs.items()}
+    steps = {v: sorted({r["steps"] for run in rs for r in run["reps"]}, key=str) for v, rs in runs.items()}
+    lines.append(f"  {'variant':<11s} {'tok/s (mean)':>13s} {'ratio [95%]':>24s} {'per round':>20s} "
+                 f"{'CPU ms/step':>12s} {'ratio [95%]':>24s}  steps/rep")
+    for v in runs:
+        per_round = [statistics.fmean(throughput(r) for r in run["reps"]) for run in runs[v]]
+        plain_round = [statistics.fmean(throughput(r) for r in run["reps"]) for run in runs["plain"]]
+        rounds = " ".join(f"{a / b:.4f}" for a, b in zip(per_round, plain_round))
+        t = ratio_ci(thr["plain"], thr[v])
+        c = ratio_ci(cpu["plain"], cpu[v]) if cpu[v] and cpu["plain"] else None
+        cpu_txt = f"{statistics.fmean(cpu[v]):12.3f}" if cpu[v] else f"{'n/a':>12s}"
+        c_txt = f"{c[0]:.4f} [{c[1]:.4f}, {c[2]:.4f}]" if c else "n/a"
+        lines.append(f"  {v:<11s} {statistics.fmean(thr[v]):13.1f} {t[0]:.4f} [{t[1]:.4f}, {t[2]:.4f}] "
+                     f"{rounds:>20s} {cpu_txt} {c_txt:>24s}  {steps[v]}")
+    for v, rs in runs.items():
+        for i, run in enumerate(rs):
+            if run.get("record_says"):
+                lines.append(f"  {v} round {i}: session {run.get('session_mb', 0):.1f} MB; "
+                             + " | ".join(run["record_says"])[:600])
+    return lines
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+    except Exception as exc:  # pragma: no cover - reported, not fatal
+        return f"unknown ({exc})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--shapes", default="1b,8b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions of the workload per process")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--engine-args", default="{}", help="JSON of extra vLLM engine arguments")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per process")
+    ap.add_argument("--out", default="bench-gpu-throughput", help="folder for results, logs and sessions")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    shapes = [s for s in args.shapes.split(",") if s]
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [s for s in shapes if s not in SHAPES] + [v for v in variants if v not in VARIANTS]
+    if bad or "plain" not in variants:
+        raise SystemExit(f"bench: unknown shape or variant {bad}, or no 'plain' to compare with")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"device: {device_name()}"]
+    try:
+        import vllm
+
+        lines.append(f"vLLM {vllm.__version__}")
+    except Exception as exc:
+        raise SystemExit(f"bench: vLLM is not importable: {exc}") from None
+    print("\n".join(lines), flush=True)
+    everything = {}
+    for shape in shapes:
+        model = write_model(out / "models" / shape, shape)
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for rnd in range(args.rounds):
+            order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+            for v in order:
+                run = run_variant(args, shape, model, v, rnd, out)
+                runs[v].append(run)
+                thr = statistics.fmean(throughput(r) for r in run["reps"])
+                print(f"{shape} round {rnd} {v:<11s}: {thr:10.1f} output tok/s over {len(run['reps'])} reps, "
+                      f"process {run['wall_s']:.0f} s", flush=True)
+                everything[shape] = runs  # after every process: a run cut short keeps what it measured
+                (out / "results.json").write_text(json.dumps({"device": lines[0], "args": vars(args),
+                                                              "runs": everything}, indent=1))
+        block = report(shape, runs, args)
+        lines += block
+        print("\n".join(block), flush=True)
+    (out / "report.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
