@@ -18,7 +18,7 @@ bootstrap over repetitions (within-process noise), and the per-round ratios are 
 between processes shows too. Prompts are random token ids, different in every repetition and the same
 in every process, so the prefix cache never hits and every variant does identical work.
 
-    python bench/bench_gpu_throughput.py --shapes 1b,8b --rounds 2 --reps 3 --out DIR
+    python bench/bench_gpu_throughput.py --shapes 1b,8b --rounds 2 --out DIR
     python bench/bench_gpu_throughput.py --shapes tiny --device-check off   # smoke test on vLLM's CPU build
 
 Needs vLLM (its CUDA build for the real figures) and kvtrace importable in the same Python.
@@ -34,6 +34,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +49,7 @@ SHAPES = {
 }
 VARIANTS = {
     "plain": None,
+    "host-only": ["--kv-granularity", "off"],  # the host probes alone: no attention probe, no ring
     "default": [],
     "all-layers": ["--kv-granularity", "blocks", "--kv-layers", "all"],
 }
@@ -121,33 +123,37 @@ def worker(args) -> None:
 # ----------------------------------------------------------------------------------------------- driver
 
 
-def run_variant(args, shape: str, model: Path, variant: str, rnd: int, work: Path) -> dict:
-    result = work / f"{shape}-{variant}-{rnd}.json"
+def run_variant(args, shape: str, model: Path, variant: str, rnd: int, out: Path, scratch: Path) -> dict:
+    result = scratch / f"{shape}-{variant}-{rnd}.json"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", str(model), "--result", str(result),
            "--reps", str(args.reps), "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--dtype", args.dtype, "--engine-args", args.engine_args,
            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    session = work / f"session-{shape}-{variant}-{rnd}"
+    session = scratch / f"session-{shape}-{variant}-{rnd}"
     if VARIANTS[variant] is not None:
         cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session), *VARIANTS[variant], "--", *cmd]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.monotonic() - t0
-    log = work / f"{shape}-{variant}-{rnd}.log"
-    log.write_text(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-40000:])
+    with open(out / "logs.txt", "a") as log:  # one file for all runs: tails only
+        log.write(f"=== {shape} {variant} round {rnd}: exit {proc.returncode}, {wall:.0f} s\n"
+                  f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-8000:]}\n")
     if proc.returncode != 0 or not result.exists():
-        raise SystemExit(f"bench: {shape} {variant} round {rnd} failed (exit {proc.returncode}); see {log}:\n"
-                         + proc.stderr[-3000:])
-    out = json.loads(result.read_text())
-    out["wall_s"] = wall
-    # kvtrace record's closing lines: the session's status and what it lost, if anything.
+        raise SystemExit(f"bench: {shape} {variant} round {rnd} failed (exit {proc.returncode}); see "
+                         f"{out / 'logs.txt'}:\n" + proc.stderr[-3000:])
+    run = json.loads(result.read_text())
+    run["wall_s"] = wall
+    # kvtrace record's closing lines: the session's status and what it lost, if anything; and what each
+    # process's recorder said about itself (drops, the ring's drain time).
     said = [line for line in proc.stderr.splitlines() if line.startswith("kvtrace:")]
     closing = [i for i, line in enumerate(said) if line.startswith("kvtrace: session")]
-    out["record_says"] = said[closing[-1]:] if closing else said[-2:]
+    run["record_says"] = said[closing[-1]:] if closing else said[-2:]
     if session.exists():
-        out["session_mb"] = sum(f.stat().st_size for f in session.rglob("*") if f.is_file()) / 1e6
+        run["session_mb"] = sum(f.stat().st_size for f in session.rglob("*") if f.is_file()) / 1e6
+        run["procs"] = [json.loads(p.read_text()) for p in session.glob("procs/*/proc.json")
+                        if p.stat().st_size < 1 << 20]
         shutil.rmtree(session, ignore_errors=True)
-    return out
+    return run
 
 
 def throughput(rep: dict) -> float:
@@ -192,8 +198,11 @@ def report(shape: str, runs: dict[str, list[dict]], args) -> list[str]:
     for v, rs in runs.items():
         for i, run in enumerate(rs):
             if run.get("record_says"):
-                lines.append(f"  {v} round {i}: session {run.get('session_mb', 0):.1f} MB; "
-                             + " | ".join(run["record_says"])[:600])
+                procs = run.get("procs", [])
+                hot = ",".join(sorted({str(p.get("hot_path")) for p in procs}))
+                kv = sum(p.get("rows_written", {}).get("kv_access", 0) for p in procs)
+                lines.append(f"  {v} round {i}: session {run.get('session_mb', 0):.1f} MB, {kv} kv_access rows, "
+                             f"row logs {hot}; " + " | ".join(run["record_says"])[:600])
     return lines
 
 
@@ -212,12 +221,12 @@ def main() -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--shapes", default="1b,8b", help=f"comma-separated, of {', '.join(SHAPES)}")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="plain,default,all-layers", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions of the workload per process")
+    ap.add_argument("--reps", type=int, default=4, help="timed repetitions of the workload per process")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512, help="prompt tokens")
-    ap.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    ap.add_argument("--output-len", type=int, default=256, help="output tokens per request")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--engine-args", default="{}", help="JSON of extra vLLM engine arguments")
@@ -234,6 +243,7 @@ def main() -> None:
         raise SystemExit(f"bench: unknown shape or variant {bad}, or no 'plain' to compare with")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))  # models, sessions, per-process results
     lines = [f"device: {device_name()}"]
     try:
         import vllm
@@ -244,12 +254,12 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     everything = {}
     for shape in shapes:
-        model = write_model(out / "models" / shape, shape)
+        model = write_model(scratch / "models" / shape, shape)
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
             for v in order:
-                run = run_variant(args, shape, model, v, rnd, out)
+                run = run_variant(args, shape, model, v, rnd, out, scratch)
                 runs[v].append(run)
                 thr = statistics.fmean(throughput(r) for r in run["reps"])
                 print(f"{shape} round {rnd} {v:<11s}: {thr:10.1f} output tok/s over {len(run['reps'])} reps, "
@@ -261,6 +271,7 @@ def main() -> None:
         lines += block
         print("\n".join(block), flush=True)
     (out / "report.txt").write_text("\n".join(lines) + "\n")
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":
