@@ -15,6 +15,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>  /* offsetof: Python.h stops including it in 3.12 */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
