@@ -47,6 +47,8 @@ CASES = [
     ("manifest_is_directory", "ingest", "unreadable manifest"),
     ("shard_unknown_table", "ingest", "unknown table"),
     ("decode_runs_zero_steps", "ingest", "decode run of 0 steps"),
+    ("kv_records_wrong_size", "ingest", "holds 40 bytes for 2 records"),
+    ("kv_records_bad_clock", "ingest", "clock slope outside"),
     ("random_bytes.sqlite", "nsys", "not an SQLite database"),
     ("empty.sqlite", "nsys", "empty file"),
     ("not_nsys.sqlite", "nsys", "not an Nsight Systems export"),
@@ -175,6 +177,12 @@ def make_sessions() -> None:
            "new_blocks": [0]}
     write_shard(session("decode_runs_zero_steps", manifest()), "decode_runs",
                 [[tuple(run[f.name][0] for f in schema.arrow_schema("decode_runs"))]])
+
+    # Packed KV access records (each row a ring drain, 32 bytes a record): bytes that are not the
+    # records they claim, and a clock mapping no clock has (ingest would make up timestamps).
+    for name, count, nbytes, slope in (("kv_records_wrong_size", 2, 40, 1.0), ("kv_records_bad_clock", 1, 32, 1e300)):
+        write_shard(session(name, manifest()), "kv_access_records",
+                    [[(0, 0, slope, count, bytes(range(nbytes)))]])
 
     # Directories where files are expected (a `.keep` inside, as git keeps no empty directories).
     pdir = session("shard_is_directory", manifest())

@@ -235,6 +235,17 @@ RUN_TABLES: dict[str, tuple[str, tuple[Column, ...]]] = {
         _c("computed_before", i32, "tokens", "num_computed_tokens before the run's first step"),
         _c("new_blocks", i32, "blocks", "blocks newly allocated in the run's first step (0 in the others)"),
     )),
+    # kv_access rows as the KV access ring stores them: one row per drain, its records packed as they are
+    # (32 bytes each, format/kv_records.py REC_DTYPE) with the clock mapping of that moment; ingest decodes
+    # them (host_ns = clock_ref_host_ns + rint((ts - clock_ref_device_ns) * clock_slope)). Decoding ~10,000
+    # records a step inside the engine's process cost the engine's thread GIL time.
+    "kv_access_records": ("kv_access", (
+        _c("clock_ref_device_ns", i64, "ns", "device timer at the clock fit's reference (0 on the host)"),
+        _c("clock_ref_host_ns", i64, "ns", "host CLOCK_MONOTONIC at that reference (0 on the host)"),
+        _c("clock_slope", f64, "", "host ns per device ns (1.0 on the host)"),
+        _c("records_count", i64, "records", "records in the row"),
+        _c("records", pa.large_binary(), "", "the records, 32 bytes each, little-endian"),
+    )),
 }
 
 # Every table a recording writes shards of.

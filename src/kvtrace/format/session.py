@@ -295,7 +295,8 @@ def session_problems(procs: list[dict[str, Any]], engine_config: dict[str, Any] 
         # A process that ran forward passes is a worker (the attention probe names it so): one that
         # imported the attention layers but never ran one (a front end) recorded nothing to record.
         if (steps and doc.get("role") == "worker" and "attention" in attached
-                and not (_count(doc, "kv_access") or _count(doc, "layer_timings"))):
+                and not (_count(doc, "kv_access") or _count(doc, "kv_access_records")
+                         or _count(doc, "layer_timings"))):
             out.append(f"probe attention attached ({_where(doc)}) but recorded no KV access in {steps} engine steps")
         caching = (engine_config or {}).get("enable_prefix_caching")
         if (caching and "prefix_cache" in attached and _count(doc, "request_events")

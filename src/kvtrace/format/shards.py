@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from kvtrace.errors import KvtraceError
 from kvtrace.format import schema
+from kvtrace.format.kv_records import expand_kv_records
 from kvtrace.format.session import read_proc
 
 EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC end-of-stream marker, written when a shard closes
@@ -94,7 +95,7 @@ class ShardWriter:
         self._write_all(payload)  # whole batches only: a kill leaves whole batches or a detectable tail
         self._bytes += payload.size
         self.bytes_total += payload.size
-        self._rows += batch.num_rows
+        self._rows += batch_rows(self.table, batch)
         if self._bytes >= self.rotate_bytes or time.monotonic() - self._opened_at >= self.rotate_s:
             self.close()
         return payload.size
@@ -345,9 +346,18 @@ def expand_decode_runs(batch: pa.RecordBatch, where: object = "decode_runs") -> 
     return pa.RecordBatch.from_arrays([arrays[f.name] for f in into], schema=into)
 
 
-EXPAND = {"decode_runs": expand_decode_runs}
+EXPAND = {"decode_runs": expand_decode_runs, "kv_access_records": expand_kv_records}
 # How many rows a run table's batch stands for, without making them.
-EXPANDED_ROWS = {"decode_runs": lambda batch: int(pc.sum(batch.column("steps")).as_py() or 0)}
+EXPANDED_ROWS = {"decode_runs": lambda batch: int(pc.sum(batch.column("steps")).as_py() or 0),
+                 "kv_access_records": lambda batch: int(pc.sum(batch.column("records_count")).as_py() or 0)}
+
+
+def batch_rows(table: str, batch: pa.RecordBatch) -> int:
+    """Rows a shard batch stands for, as drops count them: a kv_access_records row as its records (the
+    rows ingest makes of it); other tables' batches, run tables' included, as their rows."""
+    if table == "kv_access_records":
+        return EXPANDED_ROWS[table](batch)
+    return batch.num_rows
 
 
 def stored_rows(proc_dir: Path) -> dict[str, int]:

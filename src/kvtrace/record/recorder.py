@@ -37,8 +37,9 @@ from typing import Any
 import pyarrow as pa
 
 from kvtrace.format import schema
+from kvtrace.format.kv_records import packed_batch
 from kvtrace.format.session import PROC_FILE, session_size_bytes, write_json_atomic
-from kvtrace.format.shards import WRITE_POOL, ShardWriter, rows_to_batch
+from kvtrace.format.shards import WRITE_POOL, ShardWriter, batch_rows, rows_to_batch
 from kvtrace.record.buffers import row_log
 
 # Never deleted by --on-max-size drop-oldest: the record of what was lost, and the clock anchors that
@@ -203,6 +204,11 @@ class Recorder:
                                            schema=sch)
         self.buffers[table].append(batch)  # a whole batch in the row list; the flush tells them apart
 
+    def append_kv_records(self, recs: Any, clock: tuple[int, int, float]) -> None:
+        """A KV access ring's drained records, packed as they are into one `kv_access_records` row
+        (decoded by ingest, format/kv_records.py): a copy and a few small arrays, whatever the count."""
+        self.buffers["kv_access_records"].append(packed_batch(recs, clock, schema.arrow_schema("kv_access_records")))
+
     # ---- bookkeeping ------------------------------------------------------------------------
     def add_clock_anchor(self, device_ns: int | None = None, source: str = "host") -> None:
         # Into the table's RowLog where there is one: a list's tuples go through pa.array at the flush,
@@ -212,6 +218,7 @@ class Recorder:
     def count_drop(self, table: str, n: int, cause: str) -> None:
         if n <= 0:
             return
+        table = "kv_access" if table == "kv_access_records" else table  # packed kv_access rows: counted as such
         self._proc_dirty = True
         per = self.dropped.setdefault(table, {})
         per[cause] = per.get(cause, 0) + n
@@ -274,10 +281,10 @@ class Recorder:
                 if table == "drops":
                     self._hold_drops(rows)  # written at close, so the drops table records the loss too
                 else:
-                    self.count_drop(table, _row_count(rows), self.stopped_reason)
+                    self.count_drop(table, _row_count(table, rows), self.stopped_reason)
                 continue
             if len(rows) > self.max_pending_rows:  # the writer fell far behind: keep the newest
-                self.count_drop(table, len(rows) - self.max_pending_rows, "buffer-cap")
+                self.count_drop(table, _row_count(table, rows[:-self.max_pending_rows]), "buffer-cap")
                 rows = rows[-self.max_pending_rows:]  # (a RowLog stops at max_pending_rows itself)
             try:
                 for batch in _batches(table, rows, self.batch_rows):
@@ -286,11 +293,11 @@ class Recorder:
             except OSError as exc:
                 self._stop_writing("writer-error", f"cannot write shards in {self.dir}: {exc}")
                 if table != "drops":
-                    self.count_drop(table, _row_count(rows), "writer-error")
+                    self.count_drop(table, _row_count(table, rows), "writer-error")
             except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
                 # A probe produced a row that does not fit the schema: a kvtrace bug, never vLLM's.
-                self.warn(f"dropped {_row_count(rows)} {table} rows that do not fit the schema: {exc}")
-                self.count_drop(table, _row_count(rows), "bad-row")
+                self.warn(f"dropped {_row_count(table, rows)} {table} rows that do not fit the schema: {exc}")
+                self.count_drop(table, _row_count(table, rows), "bad-row")
         for w in self.writers.values():
             try:
                 w.rotate_if_old()
@@ -417,8 +424,9 @@ def _types(table: str) -> tuple[pa.DataType, ...]:
     return tuple(f.type for f in schema.arrow_schema(table))
 
 
-def _row_count(rows: list) -> int:
-    return sum(r.num_rows if isinstance(r, pa.RecordBatch) else 1 for r in rows)
+def _row_count(table: str, rows: list) -> int:
+    """Rows that `rows` (batches and tuples) stand for, as drops count them (shards.batch_rows)."""
+    return sum(batch_rows(table, r) if isinstance(r, pa.RecordBatch) else 1 for r in rows)
 
 
 def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordBatch]:
@@ -441,6 +449,8 @@ def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordB
                 run = []
     if run:
         out.append(rows_to_batch(table, run))
+    if table == "kv_access_records":  # a row holds a whole drain's records: joining would only copy them
+        return out
     return _joined(out, max_rows) if len(out) > 1 else out
 
 

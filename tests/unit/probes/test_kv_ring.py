@@ -195,23 +195,40 @@ def test_timestamps_are_host_monotonic():
 
 
 def test_rows_fit_the_schema(tmp_path):
-    """Rows go through the real recorder into Arrow shards with kvtrace.format.schema types."""
-    from kvtrace.format.shards import rows_to_batch
+    """Rows go through the real recorder into Arrow shards with kvtrace.format.schema types: timing rows
+    as columns, block records packed (kv_access_records), which ingest's expansion turns into exactly
+    the rows the ring decodes for a recorder that keeps rows in memory."""
+    from kvtrace.format.shards import loaded_batch, rows_to_batch
     from kvtrace.record.recorder import Recorder
 
     meta = make_metadata(random.Random(11))
+    memory = MemoryRecorder()
+    ring = CPUKVAccessRing(capacity=1 << 14, granularity="blocks", recorder=memory)
+    ring.begin_step(0)
+    ring.record_layer(0, *meta)
+    ring.close()
     rec = Recorder(tmp_path, "worker", {"flush_interval_s": 3600})
     try:
+        t0 = time.monotonic_ns()
         ring = CPUKVAccessRing(capacity=1 << 14, granularity="blocks", recorder=rec)
         ring.begin_step(0)
         ring.record_layer(0, *meta)
         ring.close()
-        for table in ("kv_access", "layer_timings"):
+        t1 = time.monotonic_ns()
+        assert rec._take("kv_access") == []  # block records go packed
+        for table in ("kv_access_records", "layer_timings"):
             rows = rec._take(table)  # row tuples, or whole RecordBatches (append_columns, a RowLog's)
             tuples = [r for r in rows if isinstance(r, tuple)]
             if tuples:
                 assert rows_to_batch(table, tuples).num_rows == len(tuples)
             assert len(tuples) + sum(r.num_rows for r in rows if not isinstance(r, tuple)) > 0
+            if table == "kv_access_records":
+                expanded = [loaded_batch(table, b).to_pylist() for b in rows]
+                got = [r for part in expanded for r in part]
+                assert all(t0 <= r["ts_ns"] <= t1 for r in got)
+                names = [n for n in kv_ring.KV_COLUMNS if n != "ts_ns"]
+                want = [tuple(r[kv_ring.KV_COLUMNS.index(n)] for n in names) for r in kv_rows(memory)]
+                assert [tuple(r[n] for n in names) for r in got] == want and want
     finally:
         rec.close()
 

@@ -90,14 +90,12 @@ from typing import Any
 
 import numpy as np
 
+from kvtrace.format.kv_records import IDENTITY_CLOCK, REC_DTYPE, to_host_ns, unpack_records  # noqa: F401
+
 OP_READ, OP_WRITE = 0, 1
 LAP_BITS = 15
 LAP_MASK = (1 << LAP_BITS) - 1
 
-# One 32-byte record; mirrors the device layout in device_ring_kernels.cu.
-REC_DTYPE = np.dtype(
-    [("step", "<i8"), ("ts", "<u8"), ("block_id", "<i4"), ("slot", "<i4"), ("meta", "<u4"), ("tok", "<u4")]
-)
 # One 32-byte timing record.
 TIM_DTYPE = np.dtype(
     [("step", "<i8"), ("ts", "<u8"), ("reads", "<i4"), ("writes", "<i4"), ("meta", "<u4"), ("pad", "<u4")]
@@ -213,21 +211,6 @@ def lap_ok(recs: np.ndarray, first_pos: int, log2cap: int) -> np.ndarray:
     return (recs["meta"] >> np.uint32(17)) == lap
 
 
-def unpack_records(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]:
-    """REC_DTYPE records -> kv_access columns (ts already mapped to host ns)."""
-    meta, tok = recs["meta"], recs["tok"]
-    return {
-        "step": recs["step"].astype(np.int64),
-        "layer": (meta & 0xFFFF).astype(np.uint16).view(np.int16),
-        "ts_ns": ts_ns.astype(np.int64),
-        "op": ((meta >> 16) & 1).astype(np.int8),
-        "slot": recs["slot"].astype(np.int32),
-        "block_id": recs["block_id"].astype(np.int32),
-        "token_offset": (tok & 0xFFFF).astype(np.int32),
-        "token_count": (tok >> 16).astype(np.int32),
-    }
-
-
 def unpack_timings(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]:
     return {
         "step": recs["step"].astype(np.int64),
@@ -288,6 +271,9 @@ class KVAccessRing:
                 recorder = NullRecorder()
         self.recorder = recorder
         self._append_columns = self.recorder.append_columns
+        # A recorder that writes shards takes block records packed (kv_access_records); one that keeps
+        # rows in memory gets them decoded.
+        self._append_records = getattr(self.recorder, "append_kv_records", None)
         # Cumulative; drain_s = host seconds spent copying out and decoding (the background thread's CPU).
         self.stats = {"kv_rows": 0, "timing_rows": 0, "kv_dropped": 0, "timing_dropped": 0, "drain_s": 0.0}
         self.step = -1
@@ -322,8 +308,12 @@ class KVAccessRing:
         return layer_idx in spec
 
     # -- row emission (drain side) -------------------------------------------------------------------------
+    def _clock(self) -> tuple[int, int, float]:
+        """How this ring's timestamps map to host ns (format/kv_records.py to_host_ns)."""
+        return IDENTITY_CLOCK
+
     def _to_host_ns(self, ts: np.ndarray) -> np.ndarray:
-        return ts.astype(np.int64)
+        return to_host_ns(ts, self._clock())
 
     def _emit(self, table: str, cols: dict[str, np.ndarray]) -> None:
         n = len(next(iter(cols.values())))
@@ -344,7 +334,9 @@ class KVAccessRing:
         good = recs if ok.all() else recs[ok]
         table = "layer_timings" if timing else "kv_access"
         dropped = (head - tail) - good.size
-        if good.size:
+        if good.size and not timing and self._append_records is not None:
+            self._append_records(good, self._clock())  # packed as they are; ingest decodes them
+        elif good.size:
             ts = self._to_host_ns(good["ts"])
             self._emit(table, unpack_timings(good, ts) if timing else unpack_records(good, ts))
         self.stats["timing_rows" if timing else "kv_rows"] += int(good.size)

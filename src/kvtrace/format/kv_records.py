@@ -1,0 +1,93 @@
+"""KV access records as the rings store them, and their decoding into `kv_access` rows.
+
+A ring (probes/kv_access) holds 32-byte records (REC_DTYPE). The recorder writes a drain's records as they
+are, packed into one `kv_access_records` shard row with the clock mapping of that moment
+(schema.RUN_TABLES), and ingest decodes them here: a step of a small model on a GPU produces ~10,000
+block records, and decoding them into eight columns inside the engine's process took a share of the GIL
+that the engine's own thread was waiting for. Decoded here, or by the ring for a recorder that keeps rows
+in memory, the rows are the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from kvtrace.errors import KvtraceError
+from kvtrace.format import schema
+
+# One 32-byte record; mirrors the device layout in probes/kv_access/cuda_ring_kernels.cu.
+REC_DTYPE = np.dtype(
+    [("step", "<i8"), ("ts", "<u8"), ("block_id", "<i4"), ("slot", "<i4"), ("meta", "<u4"), ("tok", "<u4")]
+)
+assert REC_DTYPE.itemsize == 32
+
+# (device reference ns, host reference ns, host ns per device ns): the identity for host clocks.
+IDENTITY_CLOCK = (0, 0, 1.0)
+
+
+def to_host_ns(ts: np.ndarray, clock: tuple[int, int, float]) -> np.ndarray:
+    """Timer values -> host CLOCK_MONOTONIC ns: host_ref + rint((ts - dev_ref) * slope)."""
+    dev_ref, host_ref, slope = clock
+    if clock == IDENTITY_CLOCK:
+        return ts.astype(np.int64)
+    d = ts.astype(np.int64) - np.int64(dev_ref)  # differences stay small: exact in float64
+    return np.int64(host_ref) + np.rint(d * slope).astype(np.int64)
+
+
+def unpack_records(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]:
+    """REC_DTYPE records -> kv_access columns (ts already mapped to host ns)."""
+    meta, tok = recs["meta"], recs["tok"]
+    return {
+        "step": recs["step"].astype(np.int64),
+        "layer": (meta & 0xFFFF).astype(np.uint16).view(np.int16),
+        "ts_ns": ts_ns.astype(np.int64),
+        "op": ((meta >> 16) & 1).astype(np.int8),
+        "slot": recs["slot"].astype(np.int32),
+        "block_id": recs["block_id"].astype(np.int32),
+        "token_offset": (tok & 0xFFFF).astype(np.int32),
+        "token_count": (tok >> 16).astype(np.int32),
+    }
+
+
+def packed_batch(recs: np.ndarray, clock: tuple[int, int, float], sch: pa.Schema) -> pa.RecordBatch:
+    """One `kv_access_records` row: the records' bytes (copied: the ring's staging memory is reused) and
+    the clock mapping to decode their timestamps with."""
+    data = pa.py_buffer(np.ascontiguousarray(recs).tobytes())
+    offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
+    records = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, data])
+    dev_ref, host_ref, slope = clock
+    return pa.RecordBatch.from_arrays(
+        [pa.array(np.array([dev_ref], np.int64)), pa.array(np.array([host_ref], np.int64)),
+         pa.array(np.array([slope], np.float64)), pa.array(np.array([len(recs)], np.int64)), records],
+        schema=sch)
+
+
+def expand_kv_records(batch: pa.RecordBatch, where: object = "kv_access_records") -> pa.RecordBatch:
+    """The kv_access rows a kv_access_records batch stands for, in record order. `where` names the
+    shard in the error a damaged batch gets."""
+    nulls = [f.name for f, c in zip(batch.schema, batch.columns) if c.null_count]
+    if nulls:
+        raise KvtraceError(f"{where}: kv_access_records batch with nulls in {', '.join(nulls)}; not a shard "
+                           f"kvtrace wrote")
+    records = batch.column("records")
+    counts = batch.column("records_count").to_numpy(zero_copy_only=False)
+    slopes = batch.column("clock_slope").to_numpy(zero_copy_only=False)
+    if batch.num_rows and not ((slopes > 0.5) & (slopes < 2.0)).all():  # a clock's rate is ~1 (NaN fails too)
+        raise KvtraceError(f"{where}: kv_access_records clock slope outside (0.5, 2); not a shard kvtrace wrote")
+    dev = batch.column("clock_ref_device_ns").to_numpy(zero_copy_only=False)
+    host = batch.column("clock_ref_host_ns").to_numpy(zero_copy_only=False)
+    parts = []
+    for i in range(batch.num_rows):
+        raw = records[i].as_buffer()
+        size = raw.size if raw is not None else 0
+        if counts[i] < 0 or size != counts[i] * REC_DTYPE.itemsize:
+            raise KvtraceError(f"{where}: a kv_access_records row holds {size} bytes for {counts[i]} records of "
+                               f"{REC_DTYPE.itemsize} bytes; not a shard kvtrace wrote")
+        recs = np.frombuffer(raw, dtype=REC_DTYPE) if size else np.zeros(0, REC_DTYPE)
+        parts.append(unpack_records(recs, to_host_ns(recs["ts"], (int(dev[i]), int(host[i]), float(slopes[i])))))
+    sch = schema.arrow_schema("kv_access")
+    if not parts:
+        return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in sch], schema=sch)
+    cols = {name: np.concatenate([p[name] for p in parts]) for name in sch.names}
+    return pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in sch], schema=sch)

@@ -1,0 +1,67 @@
+"""Packed KV access records (the `kv_access_records` shard table): what the recorder writes for a ring's
+drain is what ingest turns back into kv_access rows, timestamps mapped with the drain's clock fit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kvtrace.errors import KvtraceError
+from kvtrace.format import schema
+from kvtrace.format.kv_records import IDENTITY_CLOCK, REC_DTYPE, expand_kv_records, packed_batch
+
+SCHEMA = schema.arrow_schema("kv_access_records")
+
+
+def records(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    recs = np.zeros(n, REC_DTYPE)
+    recs["step"] = rng.integers(0, 1 << 40, n)
+    recs["ts"] = rng.integers(10**12, 2 * 10**12, n).astype(np.uint64)
+    recs["block_id"] = rng.integers(-1, 1 << 20, n)
+    recs["slot"] = rng.integers(-1, 512, n)
+    recs["meta"] = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)  # layer, op, lap bits
+    recs["tok"] = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+    return recs
+
+
+def test_packed_records_expand_to_the_decoded_rows():
+    """Two drains, one with a device clock fit (offset and rate) and one on the host clock: every field
+    as the ring's own decoding gives it, the device timestamps mapped exactly as the ring maps them."""
+    a, b = records(1000, 1), records(7, 2)
+    fit = (1_500_000_000_000, 9_000_000_000_000, 1.0000123)
+    batch = pa.Table.from_batches([packed_batch(a, fit, SCHEMA), packed_batch(b, IDENTITY_CLOCK, SCHEMA)]
+                                  ).combine_chunks().to_batches()[0]
+    rows = expand_kv_records(batch)
+    assert rows.schema.equals(schema.arrow_schema("kv_access"), check_metadata=False)
+    got = rows.to_pydict()
+    both = np.concatenate([a, b])
+    d = a["ts"].astype(np.int64) - fit[0]
+    ts = np.concatenate([fit[1] + np.rint(d * fit[2]).astype(np.int64), b["ts"].astype(np.int64)])
+    assert got["ts_ns"] == ts.tolist()
+    assert got["step"] == both["step"].tolist() and got["block_id"] == both["block_id"].tolist()
+    assert got["slot"] == both["slot"].tolist()
+    assert got["layer"] == (both["meta"] & 0xFFFF).astype(np.uint16).view(np.int16).tolist()
+    assert got["op"] == ((both["meta"] >> 16) & 1).tolist()
+    assert got["token_offset"] == (both["tok"] & 0xFFFF).tolist()
+    assert got["token_count"] == (both["tok"] >> 16).tolist()
+
+
+def test_an_empty_drain_expands_to_no_rows():
+    assert expand_kv_records(packed_batch(records(0), IDENTITY_CLOCK, SCHEMA)).num_rows == 0
+
+
+@pytest.mark.parametrize("column, value, words", [
+    ("records_count", 3, "holds 64 bytes for 3 records"),
+    ("records_count", -1, "holds 64 bytes for -1 records"),
+    ("clock_slope", float("nan"), "clock slope outside"),
+    ("clock_slope", 0.0, "clock slope outside"),
+    ("records", None, "nulls in records"),
+])
+def test_damaged_rows_are_refused_in_one_line(column, value, words):
+    good = packed_batch(records(2), IDENTITY_CLOCK, SCHEMA)
+    cols = [pa.array([value], f.type) if f.name == column else good.column(i) for i, f in enumerate(SCHEMA)]
+    with pytest.raises(KvtraceError, match=f"shard7: .*{words}") as err:
+        expand_kv_records(pa.RecordBatch.from_arrays(cols, schema=SCHEMA), "shard7")
+    assert "\n" not in str(err.value)
