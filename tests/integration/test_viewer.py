@@ -152,7 +152,9 @@ def test_pins_show_as_held_blocks(recorded_run, tmp_path):
         con.close()
     t0 = data["meta"]["origin_monotonic_ns"]
     st = data["states"]
-    held = sorted((b, a, d) for b, a, d, x in zip(dec(st["blk"]), st["t0"], st["dur"], st["state"], strict=True) if x == 3)
+    ids = dec(data["heat"]["blocks"])  # the block id of each row of the view
+    held = sorted((ids[b], a, d) for b, a, d, x in zip(dec(st["blk"]), st["t0"], st["dur"], st["state"], strict=True)
+                  if x == 3)
     assert [b for b, _, _ in held] == blocks
     for _, a, d in held:
         assert a == round((fin + 1000 - t0) / 1000) and a + d == round((fin + 50_000_000 - t0) / 1000)
@@ -178,25 +180,30 @@ def test_budget_aggregates_and_says_so(recorded_run):
     assert len(dec(data["steps"]["step"])) == data["meta"]["counts"]["steps"]  # steps stay complete
 
 
-def test_a_large_pool_says_the_row_cap_not_the_budget_bins_its_blocks(recorded_run, tmp_path):
-    """vllm serve's default pool has tens of thousands of blocks: the view bins them to its row cap, and
-    the notice says so rather than pointing at --max-events, which would change nothing."""
-    from kvtrace.export.viewer.data import MAX_BLOCK_ROWS, build, open_session
+def test_a_large_pool_shows_the_blocks_it_used(recorded_run, tmp_path):
+    """vllm serve's default pool has tens of thousands of blocks, of which a run may use a few hundred:
+    the view has a row for each block used (in id order), unbinned, and says so; no notice points at
+    --max-events, which would change nothing."""
+    from kvtrace.export.viewer.data import build, open_session
 
     db = tmp_path / "big-pool.duckdb"
     shutil.copy(recorded_run["db"], db)
     with duckdb.connect(str(db)) as con:
         con.execute("UPDATE steps SET kv_blocks_total = 32767")  # 32,768 blocks with the null block
+        used = [b for b, in con.execute("""SELECT block_id FROM kv_access UNION SELECT block_id FROM block_events
+            WHERE block_id IS NOT NULL ORDER BY 1""").fetchall()]
     con, sid = open_session(db, None)
     try:
         data = build(con, sid)
     finally:
         con.close()
     heat = data["heat"]
-    assert heat["block_bin"] == 32768 // MAX_BLOCK_ROWS and heat["rows"] == MAX_BLOCK_ROWS and heat["step_bin"] == 1
-    (note,) = [n["text"] for n in data["notices"] if n["text"].startswith("KV heatmap")]
-    assert f"at most {MAX_BLOCK_ROWS:,} block rows (32,768 blocks in the pool)" in note
-    assert "--max-events" not in note
+    assert dec(heat["blocks"]) == used and heat["rows"] == len(used) < 32768
+    assert heat["block_bin"] == 1 and heat["step_bin"] == 1
+    (note,) = [n["text"] for n in data["notices"] if n["text"].startswith("KV blocks view")]
+    assert f"each of the {len(used):,} blocks this session used, of the pool's 32,768" in note
+    assert not [n for n in data["notices"] if "--max-events" in n["text"]]
+    assert max(heat["blk"]) == len(used) - 1 and max(dec(data["states"]["blk"])) <= len(used) - 1
 
 
 def test_session_choice(recorded_run, tmp_path):
@@ -514,5 +521,79 @@ def test_session_without_steps(browser, recorded_run, tmp_path):
         for tab in ("requests", "blocks", "steps"):
             p.page.click(f".tab[data-tab='{tab}']")
         assert not p.errors
+    finally:
+        p.close()
+
+
+@pytest.mark.browser
+def test_kv_blocks_view_of_a_32768_block_pool(browser, recorded_run, tmp_path):
+    """A default `vllm serve` pool: 32,768 blocks, of which the run used a few dozen spread over the id
+    range. The view draws a row per used block over its whole height (not a strip at the top), labels
+    and hovers them with their real ids, zooms the block axis (buttons, Alt + wheel), and the colour
+    legend gives every stop reason and marker its own colour."""
+    db = tmp_path / "pool-32768.duckdb"
+    shutil.copy(recorded_run["db"], db)
+    with duckdb.connect(str(db)) as con:
+        con.execute("UPDATE steps SET kv_blocks_total = 32767")
+        for table in ("kv_access", "block_events"):  # ids spread over the pool, order kept
+            con.execute(f"UPDATE {stored_table(table)} SET block_id = block_id * 800")
+        used = [b for b, in con.execute("""SELECT block_id FROM kv_access UNION SELECT block_id FROM block_events
+            WHERE block_id IS NOT NULL ORDER BY 1""").fetchall()]
+    assert max(used) > 16_000 and len(used) < 200
+    out = tmp_path / "pool.html"
+    run_kvtrace("export", str(db), "-o", str(out))
+    p = Page(browser, out)
+    try:
+        assert "of the pool's 32,768" in p.page.text_content("#notices")
+        p.page.click(".tab[data-tab='blocks']")
+        assert p.page.evaluate("window.kvtraceViewer.blockRows()") == {
+            "rows": len(used), "b0": 0, "b1": len(used), "blocks": len(used)}
+        read = (31, 111, 209)
+        top, bottom, height = p.page.eval_on_selector("#heat-canvas", """c => {
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let lo = c.height, hi = -1;  // rows with colour (reads, writes): not background, white or grey
+            for (let i = 0; i < d.length; i += 4) {
+                const grey = Math.abs(d[i] - d[i + 1]) < 16 && Math.abs(d[i + 1] - d[i + 2]) < 16;
+                if (d[i + 3] > 0 && !grey) { const y = Math.floor(i / 4 / c.width); lo = Math.min(lo, y); hi = Math.max(hi, y); }
+            }
+            return [lo, hi, c.height]; }""")
+        assert bottom - top > 0.6 * height, (top, bottom, height)  # the used rows fill the view
+        p.shot("kv-blocks-32768.png")
+
+        def hovered_block() -> int:
+            x, y = p.page.eval_on_selector("#heat-canvas", """c => {
+                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data, dpr = window.devicePixelRatio || 1;
+                for (let i = d.length - 4; i >= 0; i -= 4)
+                    if (Math.abs(d[i] - 31) + Math.abs(d[i + 1] - 111) + Math.abs(d[i + 2] - 209) < 30) {
+                        const q = i / 4; return [(q % c.width) / dpr, Math.floor(q / c.width) / dpr]; }
+                return null; }""")
+            p.page.hover("#heat-canvas", position={"x": x, "y": y})
+            return int(re.search(r"^block (\d+)", p.page.text_content("#tooltip")).group(1))
+
+        assert hovered_block() in used
+        p.page.click("#blocks-zoom-in")
+        p.page.wait_for_timeout(100)
+        zoomed = p.page.evaluate("window.kvtraceViewer.blockRows()")
+        assert zoomed["b1"] - zoomed["b0"] == len(used) / 2
+        assert p.colored("#heat-canvas", read) > 1000 and hovered_block() in used
+        box = p.page.eval_on_selector("#heat-canvas", "c => { const r = c.getBoundingClientRect(); "
+                                      "return [r.left + r.width / 2, r.top + r.height / 2]; }")
+        p.page.mouse.move(*box)
+        p.page.keyboard.down("Alt")
+        p.page.mouse.wheel(0, -300)
+        p.page.keyboard.up("Alt")
+        p.page.wait_for_timeout(100)
+        closer = p.page.evaluate("window.kvtraceViewer.blockRows()")
+        assert closer["b1"] - closer["b0"] < zoomed["b1"] - zoomed["b0"]
+        p.shot("kv-blocks-32768-zoomed.png")
+        p.page.click("#blocks-zoom-reset")
+        assert p.page.evaluate("window.kvtraceViewer.blockRows()")["b1"] == len(used)
+        # The colour legend: one colour per entry.
+        legend = p.page.eval_on_selector_all("#steps-legend > span", """ss => ss.filter(s => s.querySelector('.sw'))
+            .map(s => [s.textContent, getComputedStyle(s.querySelector('.sw')).backgroundColor])""")
+        names = [n for n, _ in legend]
+        assert {"stop: kv-insuf", "stop: max-seqs", "stop: preempted · preemption ▼", "pin ◆"} <= set(names), names
+        assert len({c for _, c in legend}) == len(legend), legend
+        assert not p.errors, p.errors
     finally:
         p.close()

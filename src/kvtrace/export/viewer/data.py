@@ -381,17 +381,31 @@ def _kernels(con, p: dict, notices: list) -> dict[str, Any] | None:
     return k if k["step"] else None
 
 
-def _block_bin(pool_blocks: int) -> int:
+def _block_bin(rows: int) -> int:
     m = 1
-    while pool_blocks / m > MAX_BLOCK_ROWS:
+    while rows / m > MAX_BLOCK_ROWS:
         m *= 2
     return m
 
 
+# The blocks the session used (read or written, allocated, cached, pinned), each with its row in the KV
+# blocks view (`r`, in block id order): a default `vllm serve` pool of 32,768 blocks with 200 in use is
+# 200 rows, not a strip of one pixel at the top of 32,768.
+USED_BLOCKS = """used AS (
+    SELECT block_id, (row_number() OVER (ORDER BY block_id) - 1)::INTEGER AS r FROM (
+        SELECT block_id FROM kv_access WHERE session = $s
+        UNION SELECT block_id FROM block_events WHERE session = $s AND block_id IS NOT NULL
+        UNION SELECT unnest(block_ids) AS block_id FROM pins WHERE session = $s AND block_ids IS NOT NULL))"""
+
+
 def _heat(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
-    """The block x time heatmap: per-layer reads/writes from kv_access, else block events, per step bin."""
+    """The block x time heatmap: per-layer reads/writes from kv_access, else block events, per step bin;
+    a row per used block (USED_BLOCKS), rows binned beyond MAX_BLOCK_ROWS."""
     n_access = meta["counts"]["kv_access"]
-    m = m_rows = _block_bin(meta["pool_blocks"])  # m_rows: what the view's row cap alone asks for
+    used = [r[0] for r in con.execute(f"WITH {USED_BLOCKS} SELECT block_id FROM used ORDER BY r",
+                                      {"s": p["s"]}).fetchall()]
+    n_rows = max(1, len(used))
+    m = m_rows = _block_bin(n_rows)  # m_rows: what the view's row cap alone asks for
     if n_access:
         source, names = "kv_access", ["read", "write"]
         rows = """SELECT s.idx, a.block_id, a.layer, a.op::INTEGER AS op
@@ -409,23 +423,29 @@ def _heat(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
         notices.append({"kind": "info", "text": (
             "No per-layer KV access records (kv_access) in this session: the KV heatmap shows block "
             "events (alloc, touch = prefix hit, free, cache, evict) per block and step instead.")})
+    rows = f"SELECT x.idx, u.r AS row, x.layer, x.op FROM ({rows}) x JOIN used u USING (block_id)"
+    if len(used) < meta["pool_blocks"]:
+        notices.append({"kind": "info", "text": (
+            f"KV blocks view: a row for each of the {len(used):,} blocks this session used, of the pool's "
+            f"{meta['pool_blocks']:,}, in block id order (the others were never used). Alt + wheel over it, "
+            "or its + and - buttons, zoom the block axis.")})
     # Smallest power-of-two step bin whose cell count fits the cap (estimated in one pass for all bins,
-    # then counted exactly); when even one bin for all steps is too many, bin block ids coarser.
+    # then counted exactly); when even one bin for all steps is too many, bin block rows coarser.
     n_steps = max(1, meta["counts"]["steps"])
     shifts = list(range(0, max(1, n_steps).bit_length() + 1))
-    est = con.execute("SELECT " + ", ".join(
-        f"approx_count_distinct(hash(idx >> {j}, block_id // {m}, layer, op))" for j in shifts)
+    est = con.execute(f"WITH {USED_BLOCKS} SELECT " + ", ".join(
+        f"approx_count_distinct(hash(idx >> {j}, row // {m}, layer, op))" for j in shifts)
         + f" FROM ({rows})", {"s": p["s"]}).fetchall()[0]
     j = next((j for j, n in zip(shifts, est, strict=True) if n <= cap * 0.9), shifts[-1])
     while True:
-        cells = _cols(con, f"""
-            SELECT idx >> {j} AS bin, block_id // {m} AS blk, layer, op, count(*)::INTEGER AS n
+        cells = _cols(con, f"""WITH {USED_BLOCKS}
+            SELECT idx >> {j} AS bin, row // {m} AS blk, layer, op, count(*)::INTEGER AS n
             FROM ({rows}) GROUP BY ALL ORDER BY bin, blk, layer, op""", p)
         if len(cells["bin"]) <= cap:
             break
         if (n_steps - 1) >> j:
             j += 1
-        elif m < meta["pool_blocks"]:
+        elif m < n_rows:
             m *= 2
         else:
             break  # one cell per layer and op: cannot shrink further
@@ -436,8 +456,7 @@ def _heat(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
         # blocks binned beyond the row cap; the view's MAX_BLOCK_ROWS rows otherwise.
         why = []
         if m_rows > 1:
-            why.append(f"the view draws at most {MAX_BLOCK_ROWS:,} block rows "
-                       f"({meta['pool_blocks']:,} blocks in the pool)")
+            why.append(f"the view draws at most {MAX_BLOCK_ROWS:,} block rows ({len(used):,} blocks used)")
         if k > 1 or m > m_rows:
             why.append(f"{len(cells['bin']):,} cells fit the export's budget of {cap:,} "
                        "(raise --max-events for finer cells)")
@@ -446,8 +465,9 @@ def _heat(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
     layer_index = {lay: i for i, lay in enumerate(layers)}
     cells["layer"] = [layer_index[v] for v in cells["layer"]]
     cells["bin"], cells["blk"] = delta(cells["bin"]), cells["blk"]
+    # blocks: the block id of each used-block row (rows of the view bin `block_bin` of them).
     return {"source": source, "op_names": names, "layers": layers, "step_bin": k, "block_bin": m,
-            "rows": math.ceil(meta["pool_blocks"] / m), **cells}
+            "rows": math.ceil(n_rows / m), "blocks": delta(used), **cells}
 
 
 # Block states from block events (+ pins): references count alloc/touch minus free; a block with no
@@ -489,7 +509,8 @@ WITH pins_ids AS (  -- an unpin/expire/release without block ids releases the ow
 
 
 def _states(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
-    """Intervals of non-free block states (µs): in use, cached, held; open intervals run to the end."""
+    """Intervals of non-free block states (µs) per used-block row: in use, cached, held; open intervals
+    run to the end."""
     rank = meta["ranks"][0] if meta["ranks"] else 0
     if len({r // 1000 for r in meta["ranks"]}) > 1:
         notices.append({"kind": "info", "text": f"Several data-parallel ranks: the KV blocks view shows rank {rank}'s pool."})
@@ -502,8 +523,10 @@ def _states(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]
         if n <= cap or q >= span_us:
             break
         q = max(1, span_us // 65536) if q == 0 else q * 2
-    c = _cols(con, STATES_SQL + """SELECT block_id AS blk, t AS t0, t_next - t AS dur, state FROM runs
-        WHERE state <> 0 ORDER BY block_id, t""", pq)
+    # blk: the block's row in the KV blocks view (USED_BLOCKS), as the heatmap's cells have it.
+    c = _cols(con, STATES_SQL + f""", {USED_BLOCKS}
+        SELECT u.r AS blk, t AS t0, t_next - t AS dur, state FROM runs JOIN used u USING (block_id)
+        WHERE state <> 0 ORDER BY u.r, t""", pq)
     if q:
         notices.append({"kind": "aggregated", "text": (
             f"Block states are sampled every {q / 1000:.3g} ms (the state at the end of each interval) so "

@@ -304,8 +304,9 @@
     l.appendChild(swatch(colors.prefill, "prefill tokens"));
     l.appendChild(swatch(colors.decode, "decode tokens"));
     l.appendChild(swatch(colors.kv, "KV blocks in use"));
-    for (const [k, c] of Object.entries(colors.stop)) if (k !== "lora") l.appendChild(swatch(c, "stop: " + k));
-    l.appendChild(swatch(colors.preempted, "preemption ▼"));
+    // A step stopped by a preemption and the preemption's marker are one thing: one entry, one red.
+    for (const [k, c] of Object.entries(colors.stop)) if (k !== "lora" && k !== "preempted") l.appendChild(swatch(c, "stop: " + k));
+    l.appendChild(swatch(colors.preempted, "stop: preempted · preemption ▼"));
     l.appendChild(swatch(colors.pin, "pin ◆"));
     l.appendChild(el("span", null, "wheel: zoom · drag: pan · click: step details"));
   }
@@ -435,9 +436,27 @@
       maxPerOp[H.op[c]] = Math.max(maxPerOp[H.op[c]] || 1, H.n[c]);
     }
   }
-  const stStart = rangesBy(ST.blk, meta.pool_blocks + 1);
+  // Rows are the blocks the session used, in id order (H.blocks: each one's block id), binned by
+  // H.block_bin beyond the view's row cap; ST.blk and H.blk are rows, not block ids.
+  const usedBlocks = H.blocks || [];
+  const stStart = rangesBy(ST.blk, usedBlocks.length + 1);
   const isAccess = H.source === "kv_access";
   const heatRows = Math.max(1, H.rows);
+  state.b0 = 0; state.b1 = heatRows;  // the rows shown (block-axis zoom), in view rows
+  function blockLabel(row) {  // "block 17" or "blocks 16-31" for a row of the view
+    const a = row * H.block_bin, b = Math.min(usedBlocks.length, (row + 1) * H.block_bin) - 1;
+    if (a >= usedBlocks.length) return null;
+    return b > a ? `blocks ${usedBlocks[a]}-${usedBlocks[b]} (${b - a + 1} used)` : `block ${usedBlocks[a]}`;
+  }
+  function zoomBlocks(factor, at) {  // at: the view row to keep in place
+    const span = state.b1 - state.b0;
+    const next = Math.min(heatRows, Math.max(Math.min(8, heatRows), span * factor));
+    const f = (at - state.b0) / span;
+    let b0 = at - f * next;
+    b0 = Math.max(0, Math.min(heatRows - next, b0));
+    state.b0 = b0; state.b1 = b0 + next;
+    requestAnimationFrame(redraw);
+  }
   function heatColor(op) {
     if (isAccess) return op === 1 ? colors.write : colors.read;
     return colors.events[op] || "#999";
@@ -450,7 +469,7 @@
   function drawHeat() {
     const { ctx, w, h } = fit(heatCanvas);
     const pw = w - HM.x0 - HM.right, ph = h - HM.top - HM.bottom;
-    const rowH = ph / heatRows;
+    const rowSpan = state.b1 - state.b0, rowH = ph / rowSpan;
     const dpr = window.devicePixelRatio || 1;
     const X0 = Math.round(HM.x0 * dpr), Y0 = Math.round(HM.top * dpr);
     const W = Math.max(1, Math.round(pw * dpr)), HH = Math.max(1, Math.round(ph * dpr));
@@ -461,12 +480,14 @@
     if (state.heatMode === "state") {
       const st = new Uint8Array(W * HH);  // 0 free, else state; held > in use > cached where blocks share a row
       const rank = [0, 2, 1, 3];
-      const rowPx = HH / (heatRows * H.block_bin);
+      const rowPx = HH / (rowSpan * H.block_bin), first = state.b0 * H.block_bin;
       for (let i = 0; i < ST.blk.length; i++) {
         const t0 = ST.t0[i], t1 = ST.dur[i] == null ? tMax : t0 + ST.dur[i];
         if (t1 < state.v0 || t0 > state.v1) continue;
         const a = Math.max(0, Math.floor(colOf(t0))), b = Math.min(W, Math.max(a + 1, Math.ceil(colOf(t1))));
-        const y0 = Math.floor(ST.blk[i] * rowPx), y1 = Math.min(HH, Math.max(y0 + 1, Math.floor((ST.blk[i] + 1) * rowPx)));
+        const yf = (ST.blk[i] - first) * rowPx;
+        if (yf >= HH || yf + rowPx <= 0) continue;
+        const y0 = Math.max(0, Math.floor(yf)), y1 = Math.min(HH, Math.max(y0 + 1, Math.floor(yf + rowPx)));
         const v = ST.state[i];
         for (let y = y0; y < y1; y++) {
           const row = y * W;
@@ -487,7 +508,7 @@
       order.forEach((op, k) => { slot[op] = k; });
       const logMax = {};
       for (const op of order) logMax[op] = Math.log1p(maxPerOp[op] || 1);
-      const rowPx = HH / heatRows;
+      const rowPx = HH / rowSpan;
       for (let c = 0; c < nCells; c++) {
         if (state.layer >= 0 && H.layer[c] !== state.layer) continue;
         let t0 = cellT0[c], t1 = cellT1[c];
@@ -495,7 +516,9 @@
         if (sub) { const d = (t1 - t0) / L; t0 += d * H.layer[c]; t1 = t0 + d; }
         const a = Math.max(0, Math.floor(colOf(t0))), b = Math.min(W, Math.max(a + 1, Math.ceil(colOf(t1))));
         if (a >= W || b <= 0) continue;
-        const y0 = Math.floor(H.blk[c] * rowPx), y1 = Math.min(HH, Math.max(y0 + 1, Math.floor((H.blk[c] + 1) * rowPx)));
+        const yf = (H.blk[c] - state.b0) * rowPx;
+        if (yf >= HH || yf + rowPx <= 0) continue;
+        const y0 = Math.max(0, Math.floor(yf)), y1 = Math.min(HH, Math.max(y0 + 1, Math.floor(yf + rowPx)));
         const v = 0.3 + (0.7 * Math.log1p(H.n[c])) / logMax[H.op[c]];
         const arr = acc[slot[H.op[c]]];
         if (!arr) continue;
@@ -524,7 +547,10 @@
     ctx.fillStyle = "#6b7280"; ctx.font = "11px system-ui, sans-serif"; ctx.textBaseline = "middle";
     const every = Math.max(1, Math.ceil(16 / rowH));
     const nice = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000].find((n) => n >= every) || every;
-    for (let r = 0; r < heatRows; r += nice) ctx.fillText(String(r * H.block_bin), 4, HM.top + (r + 0.5) * rowH);
+    for (let r = Math.ceil(state.b0 / nice) * nice; r < state.b1; r += nice) {
+      const id = usedBlocks[r * H.block_bin];
+      if (id != null) ctx.fillText(String(id), 4, HM.top + (r - state.b0 + 0.5) * rowH);
+    }
     axis(ctx, HM.x0, pw, h - HM.bottom, ph);
     ctx.fillStyle = "#6b7280"; ctx.textBaseline = "top";
     ctx.fillText("block", 4, h - HM.bottom + 4);
@@ -570,8 +596,9 @@
     const w = heatCanvas.clientWidth, h = heatCanvas.clientHeight;
     const pw = w - HM.x0 - HM.right, ph = h - HM.top - HM.bottom;
     if (x < HM.x0 || y < HM.top || y > HM.top + ph) return null;
-    const t = tOf(x, HM.x0, pw), row = Math.floor(((y - HM.top) / ph) * heatRows);
-    const blocks = H.block_bin > 1 ? `blocks ${row * H.block_bin}-${(row + 1) * H.block_bin - 1}` : `block ${row}`;
+    const t = tOf(x, HM.x0, pw), row = Math.floor(state.b0 + ((y - HM.top) / ph) * (state.b1 - state.b0));
+    const blocks = blockLabel(row);
+    if (blocks == null) return null;
     const step = stepAt(t);
     let text = `${blocks} · ${fmtT(t)}` + (step >= 0 ? ` · step ${stepLabel(step)}` : "");
     if (state.heatMode === "state" && H.block_bin === 1) {
@@ -787,6 +814,17 @@
     const r = reqAt(y + reqCanvas.getBoundingClientRect().top);
     if (r >= 0) selectRequest(r, {});
   }, true);
+  // Block axis: Alt + wheel zooms it at the pointer (before attachTimeNav's wheel, which zooms time).
+  heatCanvas.addEventListener("wheel", (e) => {
+    if (!e.altKey) return;
+    e.preventDefault(); e.stopImmediatePropagation();
+    const rect = heatCanvas.getBoundingClientRect(), ph = rect.height - HM.top - HM.bottom;
+    const at = state.b0 + ((e.clientY - rect.top - HM.top) / ph) * (state.b1 - state.b0);
+    zoomBlocks(Math.exp(e.deltaY * 0.002), Math.max(0, Math.min(heatRows, at)));
+  }, { passive: false });
+  $("blocks-zoom-in").addEventListener("click", () => zoomBlocks(0.5, (state.b0 + state.b1) / 2));
+  $("blocks-zoom-out").addEventListener("click", () => zoomBlocks(2, (state.b0 + state.b1) / 2));
+  $("blocks-zoom-reset").addEventListener("click", () => { state.b0 = 0; state.b1 = heatRows; redraw(); });
   attachTimeNav(heatCanvas, HM.x0, HM.right, (x, y) => {
     const c = heatCellAt(x, y);
     if (c && c.step >= 0) selectStep(c.step, {});
@@ -918,6 +956,7 @@
     renderedMs: performance.now(), steps: N, requests: NR, state,
     frames: () => frame, selectStep: (i) => selectStep(i, { reveal: true }),
     stepIndex: (step) => S.step.indexOf(step),
+    blockRows: () => ({ rows: heatRows, b0: state.b0, b1: state.b1, blocks: usedBlocks.length }),
     stepX: (i) => {  // CSS x of a step's middle on the steps canvas, for clicking it
       const pw = stepsCanvas.clientWidth - TL.x0 - TL.right;
       return xOf((S.ts[i] + S.te[i]) / 2, TL.x0, pw);
