@@ -337,6 +337,10 @@ def test_click_on_step_shows_its_requests(page, recorded_run):
     if allocs:
         assert "allocated" in blocks
     page.shot("step-details.png")
+    # Long ids wrap inside the panel, words are not cut in the middle to do it.
+    assert page.page.eval_on_selector("#details", "a => a.scrollWidth <= a.clientWidth")
+    assert page.page.eval_on_selector_all("#details dd, #details h2", """es => es.every(e =>
+        getComputedStyle(e).wordBreak === 'normal' && getComputedStyle(e).overflowWrap === 'anywhere')""")
     # The same through the timeline canvas: click the middle of another step's bar.
     other = (idx + 7) % len(steps)
     page.page.evaluate(f"window.kvtraceViewer.selectStep({other})")  # bring it into view
