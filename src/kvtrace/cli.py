@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from kvtrace.errors import KvtraceError
+from kvtrace.format.session import shown
 from kvtrace.version import __version__
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -440,6 +441,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except (BrokenPipeError, KeyboardInterrupt):
         sys.exit(130)
+    except OSError as exc:  # the machine said no (a read-only place, a full disk, a file in the way): one line
+        where = exc.filename if exc.filename is not None else ""
+        what = exc.strerror or str(exc)
+        click.echo(f"kvtrace: error: {shown(os.fsdecode(where)) + ': ' if where != '' else ''}{what}", err=True)
+        if os.environ.get("KVTRACE_DEBUG"):
+            traceback.print_exc()
+        sys.exit(1)
     except Exception as exc:  # a bug of ours: still one line unless asked for more
         click.echo(f"kvtrace: internal error: {exc.__class__.__name__}: {exc} (rerun with --debug for a traceback)",
                    err=True)

@@ -48,6 +48,18 @@ CASES = [
     ("shard_unknown_table", "ingest", "unknown table"),
     ("decode_runs_zero_steps", "ingest", "decode run of 0 steps"),
     ("kv_records_wrong_size", "ingest", "holds 40 bytes for 2 records"),
+    ("manifest_procs_not_a_list", "ingest", "field 'procs' is \"x\", not list"),
+    ("manifest_options_job_pattern_number", "ingest", "field 'job_pattern' is 5, not str or null"),
+    ("manifest_version_string", "ingest", "schema_version \"2\" is not a number"),
+    ("manifest_version_bool", "ingest", "schema_version true is not a number"),
+    ("manifest_job_pattern_lookahead", "ingest", "RE2"),
+    ("manifest_job_pattern_backreference", "ingest", "RE2"),
+    ("manifest_clock_not_a_dict", "ingest", "field 'clock' is"),
+    ("proc_pid_text", "ingest", "field 'pid' is \"x\", not int"),
+    ("proc_rank_list", "ingest", "field 'rank' is [1], not int"),
+    ("proc_rank_bool", "ingest", "field 'rank' is true, not int"),
+    ("proc_probes_list", "ingest", "field 'probes' is"),
+    ("proc_rows_written_text", "ingest", "field 'rows_written' is"),
     ("kv_records_bad_clock", "ingest", "clock slope outside"),
     ("random_bytes.sqlite", "nsys", "not an SQLite database"),
     ("empty.sqlite", "nsys", "empty file"),
@@ -177,6 +189,21 @@ def make_sessions() -> None:
            "new_blocks": [0]}
     write_shard(session("decode_runs_zero_steps", manifest()), "decode_runs",
                 [[tuple(run[f.name][0] for f in schema.arrow_schema("decode_runs"))]])
+
+    # JSON fields of another type than kvtrace writes (hand-edited, or another tool's files), and job
+    # patterns Python's re accepts but DuckDB's RE2, which applies them, does not.
+    for name, over in (("manifest_procs_not_a_list", {"procs": "x"}),
+                       ("manifest_options_job_pattern_number", {"options": {"job_pattern": 5}}),
+                       ("manifest_version_string", {"schema_version": "2"}),
+                       ("manifest_version_bool", {"schema_version": True}),
+                       ("manifest_job_pattern_lookahead", {"options": {"job_pattern": r"(?P<job>\w+)(?=-t)-t(?P<turn>\d+)"}}),
+                       ("manifest_job_pattern_backreference", {"options": {"job_pattern": r"(?P<job>\w)(?P=job)"}}),
+                       ("manifest_clock_not_a_dict", {"clock": [1, 2]})):
+        write_shard(session(name, manifest(**over)), "steps", [step_rows(3)])
+    for name, over in (("proc_pid_text", {"pid": "x"}), ("proc_rank_list", {"rank": [1]}),
+                       ("proc_rank_bool", {"rank": True}), ("proc_probes_list", {"probes": ["scheduler"]}),
+                       ("proc_rows_written_text", {"rows_written": "many"})):
+        write_shard(session(name, manifest(), over), "steps", [step_rows(3)])
 
     # Packed KV access records (each row a ring drain, 32 bytes a record): bytes that are not the
     # records they claim, and a clock mapping no clock has (ingest would make up timestamps).

@@ -154,6 +154,45 @@ def read_small_file(path: Path, limit: int = MAX_JSON_BYTES) -> str:
     return data.decode("utf-8")
 
 
+# The fields kvtrace reads from its JSON files and the types they have when kvtrace wrote them. A file
+# with another type in one of them is not ours (or was edited): refused in one line, not half-read.
+_NONE = type(None)
+MANIFEST_TYPES: dict[str, Any] = {
+    "session_id": str, "status": str, "command": (list, str), "options": dict, "engine_config": dict,
+    "env": dict, "host": dict, "probes": dict, "procs": list, "problems": list, "dropped": dict, "clock": dict,
+    "exit_code": (int, _NONE), "kvtrace_version": (str, _NONE), "vllm_version": (str, _NONE),
+    "synthesized": bool,
+}
+OPTION_TYPES: dict[str, Any] = {"job_pattern": (str, _NONE)}
+PROC_TYPES: dict[str, Any] = {
+    "pid": int, "rank": int, "role": str, "host": str, "status": str, "probes": dict, "rows_written": dict,
+    "dropped": dict, "engine_config": dict, "started_ns": int, "last_flush_ns": (int, _NONE),
+    "stopped_reason": (str, _NONE), "hot_path": (str, _NONE), "probes_installed": bool,
+    "schema_version": int,
+}
+
+
+def shown(text: str) -> str:
+    """A path or name as text that can be stored and printed: bytes that are not UTF-8 (which Python keeps
+    as surrogates in file names) become U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def check_types(doc: dict[str, Any], types: dict[str, Any], path: object) -> None:
+    """A one-line KvtraceError for the first known field of `doc` whose value has another type."""
+    for name, want in types.items():
+        if name not in doc:
+            continue
+        value = doc[name]
+        wants = want if isinstance(want, tuple) else (want,)
+        # bool is an int in Python, but not what an int field holds
+        if not isinstance(value, wants) or (isinstance(value, bool) and bool not in wants):
+            names = " or ".join("null" if t is _NONE else t.__name__ for t in wants)
+            shown = json.dumps(value, default=str)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise KvtraceError(f"{path}: field {name!r} is {shown}, not {names}; not a file kvtrace wrote")
+
+
 def read_manifest(session_dir: Path) -> dict[str, Any]:
     """The session's manifest, checked; a one-line KvtraceError for anything wrong."""
     session_dir = Path(session_dir)
@@ -175,12 +214,17 @@ def read_manifest(session_dir: Path) -> dict[str, Any]:
     if not isinstance(doc, dict) or "schema_version" not in doc:
         raise KvtraceError(f"{path}: not a kvtrace manifest (no schema_version)")
     version = doc["schema_version"]
-    if not isinstance(version, int) or version > schema.SCHEMA_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise KvtraceError(f"{path}: schema_version {json.dumps(version, default=str)[:40]} is not a number; "
+                           "not a kvtrace manifest")
+    if version > schema.SCHEMA_VERSION:
         raise KvtraceError(
             f"{path}: schema_version {version!r} is newer than this kvtrace reads "
             f"({schema.SCHEMA_VERSION}); upgrade kvtrace")
     if version < schema.OLDEST_READABLE_SCHEMA_VERSION:
         raise KvtraceError(f"{path}: schema_version {version} is too old for this kvtrace")
+    check_types(doc, MANIFEST_TYPES, path)
+    check_types(doc.get("options", {}), OPTION_TYPES, f"{path} options")
     return doc
 
 
@@ -202,10 +246,11 @@ def read_proc(proc_dir: Path) -> dict[str, Any]:
     path = proc_dir / PROC_FILE
     try:
         doc = json.loads(read_small_file(path))
-        if isinstance(doc, dict):
-            return doc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        pass
+        doc = None  # missing or cut: the process was killed while writing it
+    if isinstance(doc, dict):
+        check_types(doc, PROC_TYPES, path)
+        return doc
     role, _, pid = proc_dir.name.rpartition("-")
     return {"role": role or "proc", "pid": int(pid) if pid.isdigit() else 0, "rank": 0,
             "status": "unknown", "probes": {}}

@@ -233,7 +233,9 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
     try:
         # A closed shard is mapped: its batches are read in place (zero-copy), which halves the cost of
         # reading a session. One still being written is read through a file, whose size may change.
-        f = open(path, "rb") if shard.open else pa.memory_map(str(path))
+        # Arrow takes paths as UTF-8: a name that is not (bytes Python keeps as surrogates) is read
+        # through Python's file instead.
+        f = open(path, "rb") if shard.open or not _utf8(str(path)) else pa.memory_map(str(path))
     except OSError as exc:
         raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
     with f:
@@ -393,6 +395,14 @@ def _check_schema(path: Path, got: pa.Schema, table: str, expected: pa.Schema) -
         if i >= len(expected) or expected[i].name != fld.name or not expected[i].type.equals(fld.type):
             raise KvtraceError(f"{path}: column {i} is {fld.name}:{fld.type}, not what table "
                                f"{table!r} has; not a {table} shard")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _short(exc: BaseException) -> str:

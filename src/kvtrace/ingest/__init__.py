@@ -19,8 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtrace.format.session import SessionDir
+from kvtrace.errors import KvtraceError
+from kvtrace.format.session import MANIFEST, SessionDir
 from kvtrace.ingest.arrow_setup import warm_up_pyarrow
+from kvtrace.ingest.derive import job_pattern_groups
 from kvtrace.ingest.load import ingest_session
 from kvtrace.store.db import open_db
 from kvtrace.store.layout import create_tables
@@ -40,6 +42,17 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
     """
     # Every manifest read and checked before anything is stored: a stray directory in runs/* fails at once.
     opened = [SessionDir(s) for s in sessions]
+    # Job patterns checked before the database is opened: a bad one leaves no file behind.
+    if job_pattern:
+        job_pattern_groups(job_pattern)
+    else:  # each session's own, from `kvtrace record --job-pattern`
+        for s in opened:
+            pattern = s.manifest.get("options", {}).get("job_pattern")
+            try:
+                if pattern:
+                    job_pattern_groups(pattern)
+            except KvtraceError as exc:
+                raise KvtraceError(f"{s.path / MANIFEST}: options.job_pattern: {exc}") from None
     warm_up_pyarrow()
     con = open_db(db_path)
     try:

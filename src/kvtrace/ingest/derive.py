@@ -9,6 +9,7 @@ import duckdb
 
 from kvtrace.errors import KvtraceError
 from kvtrace.format import schema
+from kvtrace.format.session import shown
 from kvtrace.store.keyed import insert_rows
 from kvtrace.store.tables import sql_str
 
@@ -25,18 +26,29 @@ def insert_proc(con: duckdb.DuckDBPyConnection, sid: str, proc: dict) -> None:
 
 def insert_session(con, sid, session_dir, manifest, engine, status, job_pattern) -> None:
     """The session's row; `engine` is its engine configuration (format.session.engine_config),
-    `job_pattern` as ingest_session resolved it (the user's, else the manifest's)."""
+    `job_pattern` as ingest_session resolved it (the user's, else the manifest's). Values of another
+    type than the column's (a hand-edited manifest) are stored as null rather than refused."""
     clock = manifest.get("clock", {})
     command = manifest.get("command")
+
+    def num(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1 << 63 else None
+
+    def text(v):
+        return shown(v) if isinstance(v, str) else None
+
+    def flag(v):
+        return v if isinstance(v, bool) else None
+
     con.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [
-        sid, str(session_dir.resolve()), status, manifest.get("schema_version"),
-        manifest.get("kvtrace_version"), manifest.get("vllm_version"),
-        " ".join(command) if isinstance(command, list) else command,
-        clock.get("start_utc_ns"), clock.get("start_monotonic_ns"), clock.get("end_monotonic_ns"),
-        manifest.get("exit_code"), engine.get("block_size"), engine.get("num_kv_blocks"),
-        engine.get("max_num_seqs"), engine.get("max_num_batched_tokens"),
-        engine.get("enable_prefix_caching"), engine.get("enable_chunked_prefill"),
-        engine.get("kv_connector"), engine.get("model"), job_pattern,
+        shown(sid), shown(str(session_dir.resolve())), status, num(manifest.get("schema_version")),
+        text(manifest.get("kvtrace_version")), text(manifest.get("vllm_version")),
+        shown(" ".join(map(str, command))) if isinstance(command, list) else text(command),
+        num(clock.get("start_utc_ns")), num(clock.get("start_monotonic_ns")), num(clock.get("end_monotonic_ns")),
+        num(manifest.get("exit_code")), num(engine.get("block_size")), num(engine.get("num_kv_blocks")),
+        num(engine.get("max_num_seqs")), num(engine.get("max_num_batched_tokens")),
+        flag(engine.get("enable_prefix_caching")), flag(engine.get("enable_chunked_prefill")),
+        text(engine.get("kv_connector")), text(engine.get("model")), job_pattern,
         json.dumps(manifest, default=str), time.time_ns()])
 
 
@@ -68,13 +80,28 @@ def derive_requests(con: duckdb.DuckDBPyConnection, sid: str, job_pattern: str |
 
 
 def job_pattern_groups(job_pattern: str) -> dict[str, int]:
-    """The pattern's named groups; a one-line KvtraceError when it is not a regular expression."""
+    """The pattern's named groups; a one-line KvtraceError when it is not a regular expression, or one
+    that DuckDB's engine (RE2: no lookarounds, no backreferences), which applies it, refuses."""
     import re
 
+    from kvtrace.store.db import connect
+
+    if not isinstance(job_pattern, str):
+        raise KvtraceError(f"job pattern {job_pattern!r}: not a string")
     try:
-        return dict(re.compile(job_pattern).groupindex)
+        groups = dict(re.compile(job_pattern).groupindex)
     except re.error as exc:
         raise KvtraceError(f"--job-pattern {job_pattern!r}: not a regular expression ({exc})") from None
+    con = connect()
+    try:
+        con.execute("SELECT regexp_matches('', $p)", {"p": job_pattern})
+    except duckdb.Error as exc:
+        why = str(exc).splitlines()[0].removeprefix("Invalid Input Error: ")
+        raise KvtraceError(f"--job-pattern {job_pattern!r}: DuckDB's regular expressions (RE2) refuse it "
+                           f"({why})") from None
+    finally:
+        con.close()
+    return groups
 
 
 def probe_report(con: duckdb.DuckDBPyConnection, sid: str) -> list[str]:

@@ -16,7 +16,14 @@ from typing import Any
 import duckdb
 
 from kvtrace.format import schema
-from kvtrace.format.session import CLOSED_STATUSES, SessionDir, engine_config, linked_proc_dirs, verdict
+from kvtrace.format.session import (
+    CLOSED_STATUSES,
+    SessionDir,
+    engine_config,
+    linked_proc_dirs,
+    shown,
+    verdict,
+)
 from kvtrace.format.shards import ShardRead, list_shards, loaded_batch, loads_into, read_shard
 from kvtrace.ingest.derive import (
     derive_requests,
@@ -138,7 +145,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
     docs/performance.md)."""
     session = session if isinstance(session, SessionDir) else SessionDir(session)
     session_dir, manifest = session.path, session.manifest
-    sid = str(manifest.get("session_id") or session_dir.name)
+    sid = shown(str(manifest.get("session_id") or session_dir.name))
     job_pattern = job_pattern or manifest.get("options", {}).get("job_pattern")
     if job_pattern:
         job_pattern_groups(job_pattern)  # a bad pattern fails here, before anything is loaded
@@ -205,7 +212,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
         insert_session(con, sid, session_dir, manifest, engine, status, job_pattern)
         # The session's own problems (file ''), then each shard's.
         for path, problem, cut in [*(("", problem, 0) for problem in problems), *issues]:
-            con.execute("INSERT INTO ingest_issues VALUES (?, ?, ?, ?)", [sid, path, problem, cut])
+            con.execute("INSERT INTO ingest_issues VALUES (?, ?, ?, ?)", [shown(sid), shown(path), shown(problem), cut])
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
