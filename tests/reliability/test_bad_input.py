@@ -409,3 +409,28 @@ def test_a_process_folder_reachable_through_a_link_is_counted_once(tmp_path):
     steps, issues = ingest_steps_and_issues(session, tmp_path / "s.duckdb")
     assert steps == 2
     assert any("again-1: a link, not read" in p for p in issues), issues
+
+
+def test_an_sqlite_file_as_the_database_is_refused_without_a_download(tmp_path):
+    """DuckDB opens an SQLite file through its sqlite_scanner extension, which it would download: every
+    connection kvtrace makes has extension auto-install and auto-load off, so an SQLite file named as
+    the database is a one-line error, and the extension is never fetched."""
+    import sqlite3
+
+    from kvtrace.store.db import connect
+    from kvtrace.testing import synth
+
+    con = connect()
+    try:
+        assert con.execute("SELECT current_setting('autoinstall_known_extensions'), "
+                           "current_setting('autoload_known_extensions')").fetchall() == [(False, False)]
+    finally:
+        con.close()
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as lite:
+        lite.execute("CREATE TABLE t (a)")
+    before = other.read_bytes()
+    synth.generate(tmp_path / "s", 2_000, seed=3)
+    assert_one_line_error(kv("ingest", str(tmp_path / "s"), "-o", str(other)), str(other), "not a DuckDB database")
+    assert_one_line_error(kv("query", str(other), "summary"), str(other), "not a DuckDB database")
+    assert other.read_bytes() == before  # not written
