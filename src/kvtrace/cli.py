@@ -58,7 +58,9 @@ def cli(debug: bool) -> None:
 @click.option("--max-size", default=None, help="Cap on the session's size on disk (e.g. 2G).")
 @click.option("--on-max-size", type=click.Choice(["stop", "drop-oldest"]), default="stop", show_default=True,
               help="At the cap: stop recording, or delete the oldest shards (losses are counted either way).")
-@click.option("--kv-layers", default="", help="Layers to record per-block KV reads/writes for: '0,15,31' or 'all'.")
+@click.option("--kv-layers", default="", help="Layers to record per-block KV reads/writes for: '0,15,31' or "
+              "'all' (every layer of every step can outrun the ring on a busy GPU: the losses are counted; "
+              "--kv-sample-every N keeps whole steps instead).")
 @click.option("--kv-granularity", type=click.Choice(["off", "timing", "blocks"]), default="timing",
               show_default=True, help="Device/CPU KV access recording: off, per-layer timing (+ one layer's "
               "block lists per step), or full block records for --kv-layers.")

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import duckdb
@@ -434,3 +435,25 @@ def test_an_sqlite_file_as_the_database_is_refused_without_a_download(tmp_path):
     assert_one_line_error(kv("ingest", str(tmp_path / "s"), "-o", str(other)), str(other), "not a DuckDB database")
     assert_one_line_error(kv("query", str(other), "summary"), str(other), "not a DuckDB database")
     assert other.read_bytes() == before  # not written
+
+
+def test_a_database_another_process_holds_is_named_as_such(tmp_path):
+    """DuckDB lets one process open a file for writing: a database held by another process (an open
+    `duckdb` shell, a running ingest) is said to be in use, not called "not a DuckDB database"."""
+    from kvtrace.testing import synth
+
+    synth.generate(tmp_path / "s", 2_000, seed=3)
+    db = tmp_path / "x.duckdb"
+    assert kv("ingest", str(tmp_path / "s"), "-o", str(db)).returncode == 0
+    holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
+                               "print('held', flush=True); time.sleep(120)", str(db)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for args in (("query", str(db), "summary"), ("ingest", str(tmp_path / "s"), "-o", str(db)),
+                     ("export", str(db), "--format", "perfetto", "-o", str(tmp_path / "x.json"))):
+            line = assert_one_line_error(kv(*args), str(db), "in use by another process")
+            assert "not a DuckDB database" not in line
+    finally:
+        holder.kill()
+        holder.wait()

@@ -34,7 +34,13 @@ def open_db(path: str | Path, read_only: bool = False) -> duckdb.DuckDBPyConnect
     try:
         con = connect(str(path), read_only=read_only)
     except duckdb.Error as exc:
-        raise KvtraceError(f"{path}: not a DuckDB database ({str(exc).splitlines()[0][:120]})") from None
+        first = str(exc).splitlines()[0]
+        if "Could not set lock on file" in first:  # DuckDB: one process may write a file at a time
+            holder = first.split("Conflicting lock is held in", 1)[-1].strip() if "held in" in first else ""
+            raise KvtraceError(f"{path}: in use by another process (DuckDB lets one process open a database "
+                               f"for writing{'; held by ' + holder[:80] if holder else ''}): wait for it or "
+                               "close it") from None
+        raise KvtraceError(f"{path}: not a DuckDB database ({first[:120]})") from None
     if read_only or existed:
         tables = {r[0] for r in con.execute("select table_name from information_schema.tables").fetchall()}
         # Ours: kvtrace's marker table, or the core tables of a kvtrace database from before it (a table
