@@ -69,6 +69,7 @@ CASES = [
     ("nsys_truncated.sqlite", "nsys", "truncated SQLite file"),
     ("nsys_corrupt_page.sqlite", "nsys", ""),
     ("nsys_non_utf8_schema.sqlite", "nsys", "unreadable SQLite database"),
+    ("nsys_time_near_int64_min.sqlite", "nsys", "out of range for kvtrace's clock"),
     ("random_bytes.db", "query", "not a DuckDB database"),
 ]
 # Inputs that must be accepted (exit 0), with what ingest must report.
@@ -78,6 +79,7 @@ ACCEPTED = [
     ("proc_json_cut", "ingest", "incomplete"),               # proc.json cut mid-write (not atomic)
     ("nsys_small.sqlite", "nsys", ""),                       # the cut-down real export itself
     ("nsys_non_utf8.sqlite", "nsys", ""),                    # StringIds with non-UTF-8 bytes and NULs
+    ("nsys_time_near_int64_max.sqlite", "nsys", ""),         # far-future starts: loaded, nothing overflows
 ]
 
 
@@ -321,6 +323,17 @@ def make_sqlite() -> None:
     # A non-UTF-8 byte in a CREATE TABLE statement: SQLite's own error message then holds that byte.
     (BAD / "nsys_non_utf8_schema.sqlite").write_bytes(
         data.replace(b"CREATE TABLE NVTX_EVENTS (", b"CREATE TABLE NVTX_EVENTS \x80", 1))
+    # Timestamps at the ends of int64 (nsys writes ns since its session start): the clock arithmetic
+    # would overflow.
+    for name, value in (("nsys_time_near_int64_min.sqlite", -(2**63) + 1000),
+                        ("nsys_time_near_int64_max.sqlite", 2**63 - 1000)):
+        path = BAD / name
+        shutil.copyfile(BAD / "nsys_small.sqlite", path)
+        con = sqlite3.connect(path)
+        for table in ("CUPTI_ACTIVITY_KIND_RUNTIME", "CUPTI_ACTIVITY_KIND_KERNEL", "NVTX_EVENTS"):
+            con.execute(f"UPDATE {table} SET start = ? WHERE rowid IN (SELECT rowid FROM {table} LIMIT 3)", [value])
+        con.commit()
+        con.close()
     # Non-UTF-8 bytes and NULs in names (seen in real exports): must load, with U+FFFD in their place.
     path = BAD / "nsys_non_utf8.sqlite"
     shutil.copyfile(BAD / "nsys_small.sqlite", path)

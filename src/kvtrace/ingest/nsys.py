@@ -163,6 +163,11 @@ def load_nsys(con: duckdb.DuckDBPyConnection, path: str | Path, session: str | N
                 break
             except _DuplicateLaunches:  # rare: load again, matching each GPU op to one runtime call
                 con.rollback()
+            except (duckdb.OutOfRangeException, duckdb.ConversionException) as exc:
+                # Timestamps near the ends of int64 (nsys writes nanoseconds since its session start)
+                con.rollback()
+                raise export.fail(f"values out of range for kvtrace's clock ({str(exc).splitlines()[0][:120]}); "
+                                  "not an export nsys wrote") from None
             except BaseException:
                 con.rollback()
                 raise
