@@ -217,7 +217,8 @@ def build(con: duckdb.DuckDBPyConnection, sid: str, max_events: int = 1_000_000)
         LEFT JOIN v_req r ON r.rank = x.rank AND r.request_id = x.request_id
         WHERE x.session = $s ORDER BY x.ts_ns""", p)
     data["kernels"] = _kernels(con, p, notices)
-    data["heat"] = _heat(con, p, max_events // 4, data["meta"], notices)
+    used = make_used_blocks(con, sid)  # the KV blocks view's rows, for the heatmap and the block states
+    data["heat"] = _heat(con, p, max_events // 4, data["meta"], notices, used)
     data["states"] = _states(con, p, max_events // 4, data["meta"], notices)
     return data
 
@@ -388,22 +389,24 @@ def _block_bin(rows: int) -> int:
     return m
 
 
-# The blocks the session used (read or written, allocated, cached, pinned), each with its row in the KV
-# blocks view (`r`, in block id order): a default `vllm serve` pool of 32,768 blocks with 200 in use is
-# 200 rows, not a strip of one pixel at the top of 32,768.
-USED_BLOCKS = """used AS (
-    SELECT block_id, (row_number() OVER (ORDER BY block_id) - 1)::INTEGER AS r FROM (
-        SELECT block_id FROM kv_access WHERE session = $s
-        UNION SELECT block_id FROM block_events WHERE session = $s AND block_id IS NOT NULL
-        UNION SELECT unnest(block_ids) AS block_id FROM pins WHERE session = $s AND block_ids IS NOT NULL))"""
+def make_used_blocks(con: duckdb.DuckDBPyConnection, sid: str) -> list[int]:
+    """Temp table `v_used`: the blocks the session used (read or written, allocated, cached, pinned), each
+    with its row in the KV blocks view (`r`, in block id order): a default `vllm serve` pool of 32,768
+    blocks with 200 in use is 200 rows, not a strip of one pixel at the top of 32,768. Made once (it
+    scans kv_access); the heatmap and the block states join it. Returns the block ids in row order."""
+    con.execute("""CREATE OR REPLACE TEMP TABLE v_used AS
+        SELECT block_id, (row_number() OVER (ORDER BY block_id) - 1)::INTEGER AS r FROM (
+            SELECT block_id FROM kv_access WHERE session = $s
+            UNION SELECT block_id FROM block_events WHERE session = $s AND block_id IS NOT NULL
+            UNION SELECT unnest(block_ids) AS block_id FROM pins WHERE session = $s AND block_ids IS NOT NULL)""",
+                {"s": sid})
+    return [r[0] for r in con.execute("SELECT block_id FROM v_used ORDER BY r").fetchall()]
 
 
-def _heat(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
+def _heat(con, p: dict, cap: int, meta: dict, notices: list, used: list[int]) -> dict[str, Any]:
     """The block x time heatmap: per-layer reads/writes from kv_access, else block events, per step bin;
-    a row per used block (USED_BLOCKS), rows binned beyond MAX_BLOCK_ROWS."""
+    a row per used block (`used`, from `make_used_blocks`), rows binned beyond MAX_BLOCK_ROWS."""
     n_access = meta["counts"]["kv_access"]
-    used = [r[0] for r in con.execute(f"WITH {USED_BLOCKS} SELECT block_id FROM used ORDER BY r",
-                                      {"s": p["s"]}).fetchall()]
     n_rows = max(1, len(used))
     m = m_rows = _block_bin(n_rows)  # m_rows: what the view's row cap alone asks for
     if n_access:
@@ -423,7 +426,7 @@ def _heat(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
         notices.append({"kind": "info", "text": (
             "No per-layer KV access records (kv_access) in this session: the KV heatmap shows block "
             "events (alloc, touch = prefix hit, free, cache, evict) per block and step instead.")})
-    rows = f"SELECT x.idx, u.r AS row, x.layer, x.op FROM ({rows}) x JOIN used u USING (block_id)"
+    rows = f"SELECT x.idx, u.r AS row, x.layer, x.op FROM ({rows}) x JOIN v_used u USING (block_id)"
     if len(used) < meta["pool_blocks"]:
         notices.append({"kind": "info", "text": (
             f"KV blocks view: a row for each of the {len(used):,} blocks this session used, of the pool's "
@@ -433,12 +436,12 @@ def _heat(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]:
     # then counted exactly); when even one bin for all steps is too many, bin block rows coarser.
     n_steps = max(1, meta["counts"]["steps"])
     shifts = list(range(0, max(1, n_steps).bit_length() + 1))
-    est = con.execute(f"WITH {USED_BLOCKS} SELECT " + ", ".join(
+    est = con.execute("SELECT " + ", ".join(
         f"approx_count_distinct(hash(idx >> {j}, row // {m}, layer, op))" for j in shifts)
         + f" FROM ({rows})", {"s": p["s"]}).fetchall()[0]
     j = next((j for j, n in zip(shifts, est, strict=True) if n <= cap * 0.9), shifts[-1])
     while True:
-        cells = _cols(con, f"""WITH {USED_BLOCKS}
+        cells = _cols(con, f"""
             SELECT idx >> {j} AS bin, row // {m} AS blk, layer, op, count(*)::INTEGER AS n
             FROM ({rows}) GROUP BY ALL ORDER BY bin, blk, layer, op""", p)
         if len(cells["bin"]) <= cap:
@@ -523,9 +526,9 @@ def _states(con, p: dict, cap: int, meta: dict, notices: list) -> dict[str, Any]
         if n <= cap or q >= span_us:
             break
         q = max(1, span_us // 65536) if q == 0 else q * 2
-    # blk: the block's row in the KV blocks view (USED_BLOCKS), as the heatmap's cells have it.
-    c = _cols(con, STATES_SQL + f""", {USED_BLOCKS}
-        SELECT u.r AS blk, t AS t0, t_next - t AS dur, state FROM runs JOIN used u USING (block_id)
+    # blk: the block's row in the KV blocks view (`v_used`), as the heatmap's cells have it.
+    c = _cols(con, STATES_SQL + """
+        SELECT u.r AS blk, t AS t0, t_next - t AS dur, state FROM runs JOIN v_used u USING (block_id)
         WHERE state <> 0 ORDER BY u.r, t""", pq)
     if q:
         notices.append({"kind": "aggregated", "text": (
