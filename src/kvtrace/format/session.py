@@ -188,9 +188,9 @@ def check_types(doc: dict[str, Any], types: dict[str, Any], path: object) -> Non
         # bool is an int in Python, but not what an int field holds
         if not isinstance(value, wants) or (isinstance(value, bool) and bool not in wants):
             names = " or ".join("null" if t is _NONE else t.__name__ for t in wants)
-            shown = json.dumps(value, default=str)
-            shown = shown if len(shown) <= 40 else shown[:37] + "..."
-            raise KvtraceError(f"{path}: field {name!r} is {shown}, not {names}; not a file kvtrace wrote")
+            got = json.dumps(value, default=str)
+            got = got if len(got) <= 40 else got[:37] + "..."
+            raise KvtraceError(f"{path}: field {name!r} is {got}, not {names}; not a file kvtrace wrote")
 
 
 def read_manifest(session_dir: Path) -> dict[str, Any]:

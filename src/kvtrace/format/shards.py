@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from kvtrace.errors import KvtraceError
 from kvtrace.format import schema
 from kvtrace.format.kv_records import expand_kv_records
-from kvtrace.format.session import read_proc
+from kvtrace.format.session import read_proc, shown
 
 EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC end-of-stream marker, written when a shard closes
 
@@ -235,7 +235,8 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
         # reading a session. One still being written is read through a file, whose size may change.
         # Arrow takes paths as UTF-8: a name that is not (bytes Python keeps as surrogates) is read
         # through Python's file instead.
-        f = open(path, "rb") if shard.open or not _utf8(str(path)) else pa.memory_map(str(path))
+        name = str(path)
+        f = open(path, "rb") if shard.open or shown(name) != name else pa.memory_map(name)
     except OSError as exc:
         raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
     with f:
@@ -395,14 +396,6 @@ def _check_schema(path: Path, got: pa.Schema, table: str, expected: pa.Schema) -
         if i >= len(expected) or expected[i].name != fld.name or not expected[i].type.equals(fld.type):
             raise KvtraceError(f"{path}: column {i} is {fld.name}:{fld.type}, not what table "
                                f"{table!r} has; not a {table} shard")
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _short(exc: BaseException) -> str:

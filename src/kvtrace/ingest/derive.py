@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -26,8 +27,9 @@ def insert_proc(con: duckdb.DuckDBPyConnection, sid: str, proc: dict) -> None:
 
 def insert_session(con, sid, session_dir, manifest, engine, status, job_pattern) -> None:
     """The session's row; `engine` is its engine configuration (format.session.engine_config),
-    `job_pattern` as ingest_session resolved it (the user's, else the manifest's). Values of another
-    type than the column's (a hand-edited manifest) are stored as null rather than refused."""
+    `job_pattern` as ingest_session resolved it (the user's, else the manifest's), `sid` as it made it
+    printable (`shown`). Values of another type than the column's (a hand-edited manifest) are stored
+    as null rather than refused."""
     clock = manifest.get("clock", {})
     command = manifest.get("command")
 
@@ -41,7 +43,7 @@ def insert_session(con, sid, session_dir, manifest, engine, status, job_pattern)
         return v if isinstance(v, bool) else None
 
     con.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", [
-        shown(sid), shown(str(session_dir.resolve())), status, num(manifest.get("schema_version")),
+        sid, shown(str(session_dir.resolve())), status, num(manifest.get("schema_version")),
         text(manifest.get("kvtrace_version")), text(manifest.get("vllm_version")),
         shown(" ".join(map(str, command))) if isinstance(command, list) else text(command),
         num(clock.get("start_utc_ns")), num(clock.get("start_monotonic_ns")), num(clock.get("end_monotonic_ns")),
@@ -82,14 +84,19 @@ def derive_requests(con: duckdb.DuckDBPyConnection, sid: str, job_pattern: str |
 def job_pattern_groups(job_pattern: str) -> dict[str, int]:
     """The pattern's named groups; a one-line KvtraceError when it is not a regular expression, or one
     that DuckDB's engine (RE2: no lookarounds, no backreferences), which applies it, refuses."""
+    if not isinstance(job_pattern, str):
+        raise KvtraceError(f"job pattern {job_pattern!r}: not a string")
+    return dict(_checked_groups(job_pattern))
+
+
+@functools.lru_cache(maxsize=32)  # asked before the database opens, per session, and when requests are derived
+def _checked_groups(job_pattern: str) -> tuple[tuple[str, int], ...]:
     import re
 
     from kvtrace.store.db import connect
 
-    if not isinstance(job_pattern, str):
-        raise KvtraceError(f"job pattern {job_pattern!r}: not a string")
     try:
-        groups = dict(re.compile(job_pattern).groupindex)
+        groups = tuple(re.compile(job_pattern).groupindex.items())
     except re.error as exc:
         raise KvtraceError(f"--job-pattern {job_pattern!r}: not a regular expression ({exc})") from None
     con = connect()

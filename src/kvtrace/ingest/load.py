@@ -212,7 +212,7 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
         insert_session(con, sid, session_dir, manifest, engine, status, job_pattern)
         # The session's own problems (file ''), then each shard's.
         for path, problem, cut in [*(("", problem, 0) for problem in problems), *issues]:
-            con.execute("INSERT INTO ingest_issues VALUES (?, ?, ?, ?)", [shown(sid), shown(path), shown(problem), cut])
+            con.execute("INSERT INTO ingest_issues VALUES (?, ?, ?, ?)", [sid, shown(path), shown(problem), cut])
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
