@@ -64,6 +64,13 @@ def post(path: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
+def root_cause(log: str) -> str:
+    """The log from its first error line on (vLLM's engine failure is long after its cause), and its end."""
+    first = re.search(r"^.*(Error|Traceback|Exception).*$", log, re.M)
+    head = log[first.start():first.start() + 3000] if first else ""
+    return f"{head}\n...\n{log[-2000:]}" if head else log[-4000:]
+
+
 def serve_and_stop(line: str, cwd: Path, env: dict) -> str:
     """Run a `kvtrace record -- vllm serve` line until it answers, send it requests, Ctrl-C it."""
     proc = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -77,7 +84,9 @@ def serve_and_stop(line: str, cwd: Path, env: dict) -> str:
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"{line!r} did not come up:\n" + (proc.stdout.read() or "")[-4000:]) from None
+                    if proc.poll() is None:
+                        proc.kill()
+                    raise AssertionError(f"{line!r} did not come up:\n" + root_cause(proc.stdout.read() or "")) from None
                 time.sleep(1)
         prompt = "kv cache prefix block " * 20
         for i in range(3):
@@ -90,7 +99,7 @@ def serve_and_stop(line: str, cwd: Path, env: dict) -> str:
         if proc.poll() is None:
             proc.kill()
     log = proc.stdout.read()
-    assert code == 0, f"{line!r} exited {code}:\n{log[-4000:]}"
+    assert code == 0, f"{line!r} exited {code}:\n{root_cause(log)}"
     return log
 
 

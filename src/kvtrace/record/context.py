@@ -4,17 +4,13 @@
 call is being made for, so block-pool events (which do not see requests) can be attributed.
 """
 
-import time
-
 
 class EngineContext:
-    __slots__ = ("step", "request_id", "utc_minus_mono_ns")
+    __slots__ = ("step", "request_id")
 
     def __init__(self) -> None:
         self.step = 0
         self.request_id: str | None = None
-        # vLLM stamps arrival with time.time(); this maps it onto our monotonic clock.
-        self.utc_minus_mono_ns = time.time_ns() - time.monotonic_ns()
 
 
 ctx = EngineContext()

@@ -273,7 +273,11 @@ class SchedulerProbe(Probe):
             rid = request.request_id
             step, prompt = ctx.step, request.num_prompt_tokens
             events = probe.req_events
-            events.append((int(request.arrival_time * 1e9) - ctx.utc_minus_mono_ns, step, rid, "arrival", prompt, None))
+            # vLLM stamps arrival with time.time(); its age now, in wall time, is placed before our
+            # monotonic `t`. An offset taken once at start would drift with the wall clock (NTP slews
+            # it), putting arrivals after the rows they precede; a clock stepped back gives age 0.
+            age_ns = max(0, _wall_ns() - int(request.arrival_time * 1e9))
+            events.append((t - age_ns, step, rid, "arrival", prompt, None))
             events.append((t, step, rid, "queued", prompt, None))
             probe.awaiting_first_token.add(rid)
             if probe.token_rows is not None:  # only when the user asked (--record-tokens)
@@ -304,7 +308,7 @@ class SchedulerProbe(Probe):
 
     def wrapper_env(self) -> dict:
         """The names the Scheduler wrappers' bodies use besides vLLM's parameters."""
-        return {"probe": self, "ctx": ctx, "_now": _now, "num_blocks": _num_blocks, "set_watched": _set_watched}
+        return {"probe": self, "ctx": ctx, "_now": _now, "_wall_ns": time.time_ns, "num_blocks": _num_blocks, "set_watched": _set_watched}
 
     def after_update(self, sched: Any, step: int) -> None:
         """The step ends: its row, and the first tokens of the requests whose prefill completed in it."""
