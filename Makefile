@@ -34,7 +34,8 @@ test-versions:
 # Releases with no CPU build: their CUDA wheel alone, layered on $(VENV); vLLM's own Scheduler and KV
 # cache manager, driven without a model on the CPU, against the probes (tests/helpers/driven_scheduler.py).
 VLLM_SOURCE_VERSIONS ?= 0.33.0
-DRIVEN_TESTS := tests/integration/test_host_exactness.py tests/integration/test_bench_host_steps.py
+DRIVEN_TESTS := tests/integration/test_host_exactness.py tests/integration/test_bench_host_steps.py \
+	tests/integration/test_offload_pools.py
 
 test-source-versions:
 	@for v in $(VLLM_SOURCE_VERSIONS); do \

@@ -33,6 +33,9 @@ class DrivenConfig:
     enable_prefix_caching: bool = True
     log_stats: bool = True
     extra: dict[str, Any] = field(default_factory=dict)  # more EngineArgs
+    # SimpleCPUOffloadConnector with this many bytes of CPU blocks (None: no connector). Its scheduler
+    # side is vLLM's; the worker side is `instant_offload_output`.
+    cpu_offload_bytes: int | None = None
 
 
 _config_cache: dict[tuple, Any] = {}
@@ -43,15 +46,22 @@ def vllm_config(model: str, cfg: DrivenConfig):
     import copy
 
     key = (model, cfg.num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-           cfg.max_model_len, cfg.enable_prefix_caching, repr(sorted(cfg.extra.items())))
+           cfg.max_model_len, cfg.enable_prefix_caching, repr(sorted(cfg.extra.items())), cfg.cpu_offload_bytes)
     if key not in _config_cache:
         from vllm.engine.arg_utils import EngineArgs
 
+        extra = dict(cfg.extra)
+        if cfg.cpu_offload_bytes is not None:
+            from vllm.config import KVTransferConfig
+
+            extra["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                kv_connector_extra_config={"cpu_bytes_to_use": cfg.cpu_offload_bytes})
         args = EngineArgs(model=model, dtype="float32", max_model_len=cfg.max_model_len,
                           block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                           enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=True,
-                          num_gpu_blocks_override=cfg.num_blocks, seed=0, **cfg.extra)
+                          num_gpu_blocks_override=cfg.num_blocks, seed=0, **extra)
         _config_cache[key] = args.create_engine_config()
     config = copy.deepcopy(_config_cache[key])
     # What EngineCore._initialize_kv_caches sets once the workers reported their memory.
@@ -76,7 +86,14 @@ class DrivenScheduler:
         spec = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=hf.num_key_value_heads,
                                  head_size=hf.hidden_size // hf.num_attention_heads, dtype=torch.float32)
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
-        kv_cache_config = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[],
+        tensors = []
+        if cfg.cpu_offload_bytes is not None:  # the connector sizes its CPU pool from the GPU tensors
+            from vllm.v1.kv_cache_interface import KVCacheTensor
+
+            page = spec.page_size_bytes  # one layer-outermost allocation, as the worker would report it
+            tensors = [KVCacheTensor(size=page * cfg.num_blocks * len(layers), layers=layers,
+                                     layer_stride=page * cfg.num_blocks, block_stride=page, offset=0)]
+        kv_cache_config = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=tensors,
                                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
         kv_cache_config.hash_block_size = cfg.block_size
         self.sched = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
@@ -87,6 +104,7 @@ class DrivenScheduler:
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(cfg.block_size, hash_fn)
         self.outputs: Any = {}  # EngineCoreOutputs of the last step, by client
+        self.transfers = {"stored_blocks": 0, "loaded_blocks": 0}  # what the offload "worker" moved
         self.steps = 0
         # What vLLM itself reported, when asked for (keep_stats): SchedulerStats of every step and the
         # KV event batches its publisher got (with kv_events_config).
@@ -125,7 +143,8 @@ class DrivenScheduler:
         sampled = [[] if requests[r].is_prefill_chunk else [(self.steps * 31 + i) % VOCAB]
                    for i, r in enumerate(req_ids)]
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
+                                sampled_token_ids=sampled,
+                                kv_connector_output=instant_offload_output(out.kv_connector_metadata, self.transfers))
         self.outputs = sched.update_from_output(out, mro)
         self.steps += 1
         if self.stats is not None:
@@ -146,6 +165,28 @@ class DrivenScheduler:
             self.step()
             n += 1
         return n
+
+
+def instant_offload_output(meta: Any, transfers: dict[str, int]) -> Any:
+    """What SimpleCPUOffloadConnector's workers would report for the step whose metadata is `meta`, had
+    each transfer finished within the step: the step's load event done for its requests, its store
+    event done (one worker). None for any other metadata. Counts the blocks moved in `transfers`."""
+    try:
+        from vllm.v1.outputs import KVConnectorOutput
+        from vllm.v1.simple_kv_offload.metadata import (
+            SimpleCPUOffloadMetadata,
+            SimpleCPUOffloadWorkerMetadata,
+        )
+    except ImportError:  # a vLLM without it
+        return None
+    if not isinstance(meta, SimpleCPUOffloadMetadata):
+        return None
+    transfers["loaded_blocks"] += len(meta.load_cpu_blocks)
+    transfers["stored_blocks"] += len(meta.store_cpu_blocks)
+    loaded = set(meta.load_event_to_reqs.get(meta.load_event, ())) if meta.load_event >= 0 else set()
+    stored = {meta.store_event: 1} if meta.store_event >= 0 else {}
+    return KVConnectorOutput(finished_recving=loaded or None,
+                             kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=stored))
 
 
 def shared_prefix_prompts(n: int, groups: int, prefix_tokens: int, suffix_tokens: int,
@@ -214,10 +255,10 @@ def record_driven(session_dir: Any, model: str, cfg: DrivenConfig, scenario: Any
     from kvtrace.record.recorder import Recorder
 
     rec = Recorder(Path(session_dir), "engine", dict(options or {}))
-    d = DrivenScheduler(model, cfg, keep_stats=keep_stats)
     ctx.step, ctx.request_id = 0, None  # a fresh engine: no step scheduled yet (ctx is per process)
-    probes = install_probes(rec, names)
+    probes = install_probes(rec, names)  # before the Scheduler is made, as in an engine process
     try:
+        d = DrivenScheduler(model, cfg, keep_stats=keep_stats)
         result = scenario(d)
     finally:
         uninstall_probes(probes)

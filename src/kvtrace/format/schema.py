@@ -20,7 +20,7 @@ import pyarrow as pa
 
 # Bump when a column is removed or changes meaning, or a table is added (older readers refuse shards of
 # tables they do not know); adding a trailing column is compatible (older shards read with nulls).
-SCHEMA_VERSION = 2  # 2: decode rows may come as decode_runs shards
+SCHEMA_VERSION = 3  # 2: decode rows may come as decode_runs shards; 3: kv_access_records, offload_block_events
 # Readers accept shards and manifests from this version up to SCHEMA_VERSION.
 OLDEST_READABLE_SCHEMA_VERSION = 1
 
@@ -51,6 +51,18 @@ PROCESS_COLUMNS: tuple[Column, ...] = (
     _c("session", s, "", "session id (manifest `session_id`)"),
     _c("rank", i32, "", "data-parallel rank x 1000 + tensor-parallel rank of the writing process"),
     _c("pid", i32, "", "OS process id of the writing process"),
+)
+
+# One row per BlockPool call (EngineCore), of the engine's own pool (the scheduler's KVCacheManager's).
+BLOCK_EVENT_COLUMNS: tuple[Column, ...] = (
+    _c("ts_ns", i64, "ns", "when it happened"),
+    _c("step", i64, "", "engine step id"),
+    _c("event", s, "", "alloc, free, cache, touch, evict, pin, unpin, expire"),
+    _c("kv_group", i16, "", "KV-cache group id (0 for single-group models)"),
+    _c("request_id", s, "", "request the call was made for, when known"),
+    _c("block_ids", i32_list, "", "physical block ids"),
+    _c("block_hashes", i64_list, "",
+       "cache and evict: first 8 bytes of each block's hash as signed int64 (not reversible)"),
 )
 
 TABLES: dict[str, tuple[Column, ...]] = {
@@ -106,15 +118,13 @@ TABLES: dict[str, tuple[Column, ...]] = {
     ),
     # KV block events (EngineCore), one row per call with the list of blocks it touched; ingest
     # unnests them to one row per block.
-    "block_events": (
-        _c("ts_ns", i64, "ns", "when it happened"),
-        _c("step", i64, "", "engine step id"),
-        _c("event", s, "", "alloc, free, cache, touch, evict, pin, unpin, expire"),
-        _c("kv_group", i16, "", "KV-cache group id (0 for single-group models)"),
-        _c("request_id", s, "", "request the call was made for, when known"),
-        _c("block_ids", i32_list, "", "physical block ids"),
-        _c("block_hashes", i64_list, "",
-           "cache and evict: first 8 bytes of each block's hash as signed int64 (not reversible)"),
+    "block_events": BLOCK_EVENT_COLUMNS,
+    # The same calls on BlockPools other than the engine's own (EngineCore): an offload tier's pool
+    # (SimpleCPUOffloadConnector's CPU blocks, say) numbers its blocks from 0 as the GPU's does, so its
+    # rows are kept apart, with the pool they belong to.
+    "offload_block_events": (
+        *BLOCK_EVENT_COLUMNS,
+        _c("pool", s, "", "the pool: its owner's attribute path (Connector.attr.attr), or unnamed-N"),
     ),
     # Prefix-cache lookups (EngineCore), one per lookup vLLM counts (KVCacheManager.record_prefix_cache_stats).
     "prefix_lookups": (

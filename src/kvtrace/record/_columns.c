@@ -453,6 +453,9 @@ typedef struct {
     StrCol event, rid;
     int64_t since_ns, flush_ns;
     Py_ssize_t flush_rows;
+    /* Pools other than the engine's own (a CPU offload tier's BlockPool, say) log to their own BlockLog,
+       which `route(pool)` returns: see log_for. Weak references, as for pool_ref. */
+    PyObject *route, *main_ref, *last_ref, *last_log;
 } BlockLog;
 
 static int hash64(PyObject *key, int64_t *out) {
@@ -570,6 +573,114 @@ error:
     return -1;
 }
 
+/* The object behind weak reference `ref` (NULL: none) as a new reference, or None when it is gone.
+   (PyWeakref_GET_OBJECT is deprecated from 3.13, which has PyWeakref_GetRef.) */
+static PyObject *ref_get(PyObject *ref) {
+    if (ref == NULL)
+        Py_RETURN_NONE;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj = NULL;
+    if (PyWeakref_GetRef(ref, &obj) <= 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return obj;
+#else
+    return Py_NewRef(PyWeakref_GET_OBJECT(ref));
+#endif
+}
+
+static int ref_is_live(PyObject *ref) {
+    if (ref == NULL)
+        return 0;
+    PyObject *target = ref_get(ref);
+    Py_DECREF(target);
+    return target != Py_None;
+}
+
+/* Is `obj` (held by the caller) what weak reference `ref` points to? Compared by address. */
+static int ref_is(PyObject *ref, PyObject *obj) {
+    if (ref == NULL)
+        return 0;
+    PyObject *target = ref_get(ref);
+    Py_DECREF(target);
+    return target == obj;
+}
+
+/* The log for rows of `pool`'s calls (borrowed), or NULL with an exception. Without a `route` every pool
+   logs here (the log alone, as the unit tests use it). With one: the engine's pool (main_pool, or the
+   first pool seen when none was named) logs here, and any other pool to the log route(pool) returns,
+   the last one kept so that a run of calls on one pool costs a pointer compare. */
+static BlockLog *log_for(BlockLog *self, PyObject *pool) {
+    if (self->route == NULL || ref_is(self->main_ref, pool))
+        return self;
+    if (!ref_is_live(self->main_ref)) {
+        PyObject *ref = PyWeakref_NewRef(pool, NULL);
+        if (ref == NULL)
+            return NULL;
+        Py_XSETREF(self->main_ref, ref);
+        return self;
+    }
+    if (ref_is(self->last_ref, pool))
+        return (BlockLog *)self->last_log;
+    PyObject *log = PyObject_CallOneArg(self->route, pool);
+    if (log == NULL)
+        return NULL;
+    if (!PyObject_TypeCheck(log, Py_TYPE(self))) {
+        Py_DECREF(log);
+        PyErr_SetString(PyExc_TypeError, "BlockLog.route returned no BlockLog");
+        return NULL;
+    }
+    PyObject *ref = PyWeakref_NewRef(pool, NULL);
+    if (ref == NULL) {
+        Py_DECREF(log);
+        return NULL;
+    }
+    Py_XSETREF(self->last_ref, ref);
+    Py_XSETREF(self->last_log, log);
+    return (BlockLog *)log;
+}
+
+static PyObject *BlockLog_for_pool(BlockLog *self, PyObject *pool) {
+    BlockLog *log = log_for(self, pool);
+    return log ? Py_NewRef((PyObject *)log) : NULL;
+}
+
+static PyObject *BlockLog_get_route(BlockLog *self, void *closure) {
+    return Py_NewRef(self->route ? self->route : Py_None);
+}
+
+static int BlockLog_set_route(BlockLog *self, PyObject *value, void *closure) {
+    Py_CLEAR(self->last_ref);
+    Py_CLEAR(self->last_log);
+    if (value == NULL || value == Py_None) {
+        Py_CLEAR(self->route);
+        return 0;
+    }
+    if (!PyCallable_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "route must be callable or None");
+        return -1;
+    }
+    Py_XSETREF(self->route, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *BlockLog_get_main_pool(BlockLog *self, void *closure) {
+    return ref_get(self->main_ref);
+}
+
+static int BlockLog_set_main_pool(BlockLog *self, PyObject *value, void *closure) {
+    if (value == NULL || value == Py_None) {
+        Py_CLEAR(self->main_ref);
+        return 0;
+    }
+    PyObject *ref = PyWeakref_NewRef(value, NULL);
+    if (ref == NULL)
+        return -1;
+    Py_XSETREF(self->main_ref, ref);
+    return 0;
+}
+
 static PyObject *due(BlockLog *self, int64_t t) {
     return PyBool_FromLong(self->rows >= self->flush_rows || t - self->since_ns >= self->flush_ns);
 }
@@ -616,6 +727,10 @@ static void BlockLog_dealloc(BlockLog *self) {
     Py_CLEAR(self->block_hash.type);
     Py_CLEAR(self->pool_ref);
     Py_CLEAR(self->null_block);
+    Py_CLEAR(self->route);
+    Py_CLEAR(self->main_ref);
+    Py_CLEAR(self->last_ref);
+    Py_CLEAR(self->last_log);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -702,23 +817,8 @@ static PyObject *BlockLog_evict(BlockLog *self, PyObject *const *args, Py_ssize_
     return log_evict(self, args[0], args[1], 1);
 }
 
-/* Is `pool` the pool whose null block the log holds? (Its weak reference; PyWeakref_GET_OBJECT is
-   deprecated from 3.13, which has PyWeakref_GetRef.) */
-static int is_last_pool(BlockLog *self, PyObject *pool) {
-    if (self->pool_ref == NULL)
-        return 0;
-#if PY_VERSION_HEX >= 0x030D0000
-    PyObject *last = NULL;
-    if (PyWeakref_GetRef(self->pool_ref, &last) <= 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    Py_DECREF(last); /* compared by address only; the caller holds `pool` */
-    return last == pool;
-#else
-    return PyWeakref_GET_OBJECT(self->pool_ref) == pool;
-#endif
-}
+/* Is `pool` the pool whose null block the log holds? */
+static int is_last_pool(BlockLog *self, PyObject *pool) { return ref_is(self->pool_ref, pool); }
 
 /* free_blocks / touch of `blocks` on `pool`: one row of their ids without the null block. */
 static PyObject *block_ids_row(BlockLog *self, PyObject *pool, PyObject *blocks, int event, int skip) {
@@ -856,9 +956,16 @@ static PyMethodDef BlockLog_methods[] = {
     {"cache", (PyCFunction)(void (*)(void))BlockLog_cache, METH_FASTCALL,
      "cache(request, blocks, num_cached, num_full, group) -> bool"},
     {"take_raw", (PyCFunction)BlockLog_take_raw, METH_NOARGS, "the rows as column buffers, or None"},
+    {"for_pool", (PyCFunction)BlockLog_for_pool, METH_O, "for_pool(pool) -> the BlockLog of its rows"},
     {NULL}};
 
-static PyGetSetDef BlockLog_getset[] = {{"rows", (getter)BlockLog_get_rows, NULL, "rows held", NULL}, {NULL}};
+static PyGetSetDef BlockLog_getset[] = {
+    {"rows", (getter)BlockLog_get_rows, NULL, "rows held", NULL},
+    {"route", (getter)BlockLog_get_route, (setter)BlockLog_set_route,
+     "route(pool) -> BlockLog for pools other than main_pool (None: every pool logs here)", NULL},
+    {"main_pool", (getter)BlockLog_get_main_pool, (setter)BlockLog_set_main_pool,
+     "the pool whose rows this log keeps when routing (weak; the first pool seen if unset)", NULL},
+    {NULL}};
 
 static PyTypeObject BlockLogType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtrace.probes._columns.BlockLog",
@@ -970,7 +1077,12 @@ static PyObject *hook_vectorcall(BlockHook *h, PyObject *const *args, size_t nar
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (!h->enabled || nargs < 1)
         return PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
-    BlockLog *log = (BlockLog *)h->log;
+    BlockLog *log = log_for((BlockLog *)h->log, args[0]); /* args[0]: the pool (self) */
+    if (log == NULL) {
+        if (hook_fault(h) < 0)
+            return NULL;
+        return PyObject_Vectorcall(h->orig, args, nargsf, kwnames);
+    }
     PyObject *result;
     switch (h->kind) {
     case HK_ALLOC: {

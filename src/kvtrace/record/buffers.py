@@ -28,6 +28,7 @@ import os
 import struct
 import sys
 import time
+import weakref
 from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -142,10 +143,15 @@ class BlockLog:
     `ctx.request_id` (set by the scheduler probe around frees it makes); the step is `ctx.step`.
 
     Each method is called by a block-pool wrapper (probes/vllm/kv_blocks.py) right after vLLM's method and
-    returns True when it is time to `take()`."""
+    returns True when it is time to `take()`.
+
+    Pools: with a `route` set, only the engine's own pool (`main_pool`, or the first pool seen when none
+    was named) logs here; the wrapper asks `for_pool(pool)` for the log of any other pool (a CPU offload
+    tier's BlockPool has block ids of its own), which `route(pool)` makes. Both held weakly."""
 
     __slots__ = ("ts", "step", "event", "group", "rid", "ids", "ids_end", "hashes", "hashes_end", "hashed",
-                 "since_ns", "in_alloc", "evicted", "flush_rows", "flush_ns", "hash_of", "ctx")
+                 "since_ns", "in_alloc", "evicted", "flush_rows", "flush_ns", "hash_of", "ctx", "_route",
+                 "_main", "_last", "__weakref__")
 
     def __init__(self, ctx: Any = ctx, fallback: Any = None, flush_rows: int = BLOCK_FLUSH_ROWS,
                  flush_ns: int | None = None, hash_attr: str = "block_hash") -> None:
@@ -155,7 +161,46 @@ class BlockLog:
         self.ctx = ctx
         self.in_alloc = False
         self.evicted: list[tuple[int, Any]] = []  # (block id, hash) evicted inside get_new_blocks
+        self._route: Any = None
+        self._main: Any = None  # weakref to the main pool
+        self._last: tuple | None = None  # (weakref to a pool, its log): the last other pool routed
         self._clear()
+
+    @property
+    def route(self) -> Any:
+        return self._route
+
+    @route.setter
+    def route(self, fn: Any) -> None:
+        if fn is not None and not callable(fn):
+            raise TypeError("route must be callable or None")
+        self._route, self._last = fn, None
+
+    @property
+    def main_pool(self) -> Any:
+        return self._main() if self._main is not None else None
+
+    @main_pool.setter
+    def main_pool(self, pool: Any) -> None:
+        self._main = weakref.ref(pool) if pool is not None else None
+
+    def for_pool(self, pool: Any) -> BlockLog:
+        """The log for rows of `pool`'s calls (see the class docstring)."""
+        if self._route is None:
+            return self
+        main = self.main_pool
+        if main is pool:
+            return self
+        if main is None:
+            self.main_pool = pool
+            return self
+        if self._last is not None and self._last[0]() is pool:
+            return self._last[1]
+        log = self._route(pool)
+        if not isinstance(log, BlockLog):
+            raise TypeError("BlockLog.route returned no BlockLog")
+        self._last = (weakref.ref(pool), log)
+        return log
 
     def _clear(self) -> None:
         self.ts: list[int] = []

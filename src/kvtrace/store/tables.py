@@ -62,11 +62,13 @@ KEY_TABLES_DDL = (
 )
 
 # Columns of the DuckDB tables that differ from the shard columns.
-UNNESTED = {"block_events": ("block_ids", "block_hashes", "block_id INTEGER", "block_hash BIGINT")}
+UNNESTED = {"block_events": ("block_ids", "block_hashes", "block_id INTEGER", "block_hash BIGINT"),
+            "offload_block_events": ("block_ids", "block_hashes", "block_id INTEGER", "block_hash BIGINT")}
 
 # `seq` numbers a process's block event calls in recording order (the rows of one call share it):
 # events of a block at the same ts_ns (an evict and the alloc of the same call) are ordered by it.
-EXTRA_COLUMNS = {"kv_access": ["request_id VARCHAR"], "block_events": ["seq BIGINT"]}
+EXTRA_COLUMNS = {"kv_access": ["request_id VARCHAR"], "block_events": ["seq BIGINT"],
+                 "offload_block_events": ["seq BIGINT"]}
 
 
 def has_seq(table: str) -> bool:

@@ -288,6 +288,63 @@ def test_block_hooks_make_the_wrappers_rows_from_any_call_and_never_raise_their_
     assert buffers.block_hook("touch", lambda self, blocks: None, buffers.BlockLog(), ("blocks",), list, list) is None
 
 
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_block_log_routes_other_pools_to_their_own_logs(kind):
+    """With a route, the main pool's rows stay in the log and each other pool's go to the log route(pool)
+    returns, asked once per pool while calls on it follow each other; the first pool seen is the main one
+    until one is named. Without a route every pool logs to the log itself."""
+    if kind == "native" and buffers._columns is None:
+        pytest.skip(f"native logs not built: {buffers.NATIVE_MISSING}")
+    make = (lambda: buffers.BlockLog()) if kind == "python" else (lambda: buffers.NativeBlockLog(ctx, buffers.caller_request_id))
+    log, gpu, cpu, disk = make(), Pool(NULL), Pool(Block(0)), Pool(Block(0))
+    assert log.route is None and log.for_pool(cpu) is log and log.main_pool is None
+    asked = []
+    others = {}
+
+    def route(pool):
+        asked.append(pool)
+        return others.setdefault(id(pool), make())
+
+    log.route = route
+    assert log.for_pool(gpu) is log and log.main_pool is gpu  # the first pool seen
+    log.main_pool = gpu
+    cpu_log = log.for_pool(cpu)
+    assert cpu_log is not log and log.for_pool(cpu) is cpu_log and asked == [cpu]
+    disk_log = log.for_pool(disk)
+    assert disk_log not in (log, cpu_log) and log.for_pool(cpu) is cpu_log and asked == [cpu, disk, cpu]
+    ctx.step = 2
+    log.for_pool(gpu).touch(gpu, [Block(3)])
+    log.for_pool(cpu).touch(cpu, [Block(3), cpu.null_block])
+    assert [r["block_ids"] for r in table(log.take(), "block_events").to_pylist()] == [[3]]
+    assert [r["block_ids"] for r in table(cpu_log.take(), "block_events").to_pylist()] == [[3]]
+    log.route = lambda pool: "not a log"
+    with pytest.raises(TypeError, match="route returned no BlockLog"):
+        log.for_pool(cpu)
+    log.route = None
+    assert log.for_pool(cpu) is log
+
+
+@native_only
+def test_block_hooks_route_by_the_pool_they_are_called_on(monkeypatch):
+    """A BlockHook writes a call's row to the log of the pool it is called on; a route that fails is the
+    log's error (on_error, the hook stops), never vLLM's."""
+    log, other, faults = buffers.block_log(hash_attr="block_hash"), buffers.block_log(hash_attr="block_hash"), []
+    hook = buffers.block_hook("touch", HookedPool.touch, log, ("blocks",), list, faults.append)
+    monkeypatch.setattr(HookedPool, "touch", hook)
+    gpu, cpu, disk = HookedPool(), HookedPool(), HookedPool()
+    log.route = lambda pool: other if pool is cpu else "not a log"
+    log.main_pool = gpu
+    ctx.step = 1
+    gpu.touch([Block(1)])
+    cpu.touch([Block(2)])
+    HookedPool.touch(cpu, blocks=[Block(3)])
+    assert not faults
+    assert disk.touch([Block(4)]) is None  # vLLM's result, though the route failed
+    assert len(faults) == 1 and isinstance(faults[0], TypeError) and not hook.enabled
+    assert [r["block_ids"] for r in table(log.take(), "block_events").to_pylist()] == [[1]]
+    assert [r["block_ids"] for r in table(other.take(), "block_events").to_pylist()] == [[2], [3]]
+
+
 def test_caller_request_id_reads_arguments_only():
     # Frames seen by the Python one: 0 itself, 1 wrapper, 2 the function that called wrapper.
     def direct(request_id):

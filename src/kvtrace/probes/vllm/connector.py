@@ -163,6 +163,10 @@ class ConnectorProbe(Probe):
         self.instances.append((conn, wrapped))
         self.rec.info.setdefault("connectors", []).append(
             {"class": state.name, "role": side.lower(), "wrapped": wrapped})
+        if side == "SCHEDULER":  # an offload tier's own BlockPool: its block events go apart, by this name
+            from kvtrace.probes.vllm.kv_blocks import name_pools
+
+            name_pools(conn, state.name)
 
     def _row(self, t0: int, t1: int, step: int, state: _Conn, method: str, direction: str,
              request_id: str | None = None, layer: str | None = None, nbytes: int | None = None,

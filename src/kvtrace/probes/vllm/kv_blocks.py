@@ -23,6 +23,12 @@ KVTRACE_NATIVE=0) the methods are wrapped by `exact_wrapper` (the original's own
 CPython keeps specialised calls), and each wrapper makes one call into the log after vLLM's method
 returns. Both make the same rows (tests/unit/record/test_buffers.py).
 
+Pools: the patch is class-wide, so a second BlockPool in the EngineCore (an offload tier's, such as
+SimpleCPUOffloadConnector's CPU blocks, numbered from 0 like the GPU's) reaches the same hooks. The log
+routes each call by its pool (`BlockLog.for_pool`): the engine's pool, which a wrapper of
+`KVCacheManager.__init__` names, keeps `block_events`; any other gets a log of its own, whose rows go to
+`offload_block_events` with the pool's name (`POOL_NAMES`, filled by the connector probe). docs/connectors.md.
+
 `prefix_cache` patches where vLLM counts a lookup: `KVCacheManager.record_prefix_cache_stats` (vLLM 0.27
 and later: at admission, with the tokens the local prefix cache hit), or in vLLM 0.26
 `get_computed_blocks`, which counts inside itself. A lookup row is written when vLLM counts it, so our
@@ -35,6 +41,7 @@ group 0's block size (vLLM truncates every group's hit to whole blocks of a comm
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 from kvtrace.probes.base import Hook, Probe, after_call, patch_exact, request_lengths_are_fields
@@ -64,8 +71,52 @@ def hash_attribute() -> str:
     return "block_hash"
 
 
+# Names of BlockPools other than the engine's own, given by whoever knows what they are (the connector
+# probe names the pools a connector holds, e.g. "SimpleCPUOffloadConnector.scheduler_manager.cpu_block_pool").
+# Weak: a dropped pool's name goes with it.
+POOL_NAMES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def name_pools(owner: Any, prefix: str, depth: int = 3) -> int:
+    """Name the BlockPools `owner` holds (breadth first, through vLLM objects and short lists of them,
+    `depth` attributes deep) after their attribute path: `prefix.attr.attr`. Returns how many were named."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    seen, level, named = {id(owner)}, [(owner, prefix)], 0
+    for _ in range(depth):
+        below = []
+        for obj, path in level:
+            try:
+                items = list(vars(obj).items())
+            except TypeError:  # no __dict__ (__slots__)
+                continue
+            for attr, value in items:
+                listed = isinstance(value, (list, tuple))
+                for i, v in enumerate(value[:16] if listed else (value,)):
+                    if id(v) in seen or not type(v).__module__.startswith("vllm."):
+                        continue
+                    seen.add(id(v))
+                    where = f"{path}.{attr}" + (f"[{i}]" if listed else "")
+                    if isinstance(v, BlockPool):
+                        POOL_NAMES.setdefault(v, where)
+                        named += 1
+                    else:
+                        below.append((v, where))
+        level = below
+    return named
+
+
 class BlockPoolProbe(Probe):
     name = "kv_blocks"
+
+    # The engine's own pool is the block pool of the scheduler's KVCacheManager; the calls of any other
+    # BlockPool (an offload tier's: its ids overlap the GPU's) go to `offload_block_events`.
+    POOLS = Hook("pools", (((KVM, "KVCacheManager.__init__", ("kv_cache_config",)),),), required=False,
+                 lost="which BlockPool a block event belongs to (offload tiers' pools share block_events)")
+
+    @classmethod
+    def hooks(cls):
+        return [*super().hooks(), cls.POOLS]
 
     @classmethod
     def targets(cls):
@@ -95,16 +146,21 @@ class BlockPoolProbe(Probe):
             "get_new_blocks": """
     if not probe.enabled:
         return {call}
-    log.begin_alloc()
+    try:
+        pool_log = log.for_pool({self})
+    except Exception as exc:
+        probe.fail(exc)
+        return {call}
+    pool_log.begin_alloc()
     try:
         blocks = {call}
     except BaseException:
-        log.end_alloc()
+        pool_log.end_alloc()
         raise
     try:
         if inject:
             probe.maybe_inject_fault()
-        if log.alloc(blocks):
+        if pool_log.alloc(blocks):
             probe.take()
     except Exception as exc:
         probe.fail(exc)
@@ -116,7 +172,7 @@ class BlockPoolProbe(Probe):
     done = {call}
     if done:
         try:
-            if log.evict(block.block_id, key):
+            if log.for_pool({self}).evict(block.block_id, key):
                 probe.take()
         except Exception as exc:
             probe.fail(exc)
@@ -127,15 +183,16 @@ class BlockPoolProbe(Probe):
     ordered_blocks = list(ordered_blocks)  # may be a one-shot iterator: read it once, pass the list
     result = {call}
     try:
-        if log.free({self}, ordered_blocks):
+        if log.for_pool({self}).free({self}, ordered_blocks):
             probe.take()
     except Exception as exc:
         probe.fail(exc)
     return result""",
-            "touch": after_call("""if log.touch({self}, blocks):
+            "touch": after_call("""if log.for_pool({self}).touch({self}, blocks):
                 probe.take()"""),
             "cache_full_blocks": after_call(
-                """if log.cache(request, blocks, num_cached_blocks, num_full_blocks, kv_cache_group_id):
+                """if log.for_pool({self}).cache(request, blocks, num_cached_blocks, num_full_blocks,
+                                              kv_cache_group_id):
                 probe.take()""", " and num_full_blocks > num_cached_blocks"),
         }
         bodies = {name: body.replace("{hash}", hash_attr) for name, body in bodies.items()}
@@ -159,6 +216,22 @@ class BlockPoolProbe(Probe):
                 self.patch(BlockPool, name, lambda _orig, hook=hook: hook)
                 del bodies[name]
         patch_exact(self, BlockPool, bodies, env)
+        self.pool_logs: list[tuple[str, Any]] = []  # (pool name, its BlockLog), pools other than the engine's
+        if self.variant("pools") is not None:
+            from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+            log.route = self.pool_log
+            patch_exact(self, KVCacheManager, {"__init__": after_call("log.main_pool = {self}.block_pool")},
+                        {"probe": self, "log": log})
+
+    def pool_log(self, pool: Any) -> Any:
+        """The BlockLog of a pool other than the engine's (called by the main log on its first row)."""
+        name = POOL_NAMES.get(pool) or f"unnamed-{len(self.pool_logs) + 1}"
+        log = block_log(hash_attr=hash_attribute())
+        self.pool_logs.append((name, log))
+        self.rec.info.setdefault("block_pools", []).append(
+            {"pool": name, "class": type(pool).__qualname__, "num_blocks": getattr(pool, "num_gpu_blocks", None)})
+        return log
 
     def __setattr__(self, name: str, value: Any) -> None:
         # The hooks (C) cannot read `enabled` cheaply: each keeps its own copy, set wherever the probe's is
@@ -169,10 +242,14 @@ class BlockPoolProbe(Probe):
                 hook.enabled = bool(value)
 
     def take(self) -> None:
-        """Hand the rows gathered so far to the recorder (one RecordBatch)."""
+        """Hand the rows gathered so far to the recorder (one RecordBatch per pool)."""
         cols = self.log.take()
         if cols is not None:
             self.rec.append_columns("block_events", cols)
+        for name, log in self.pool_logs:
+            cols = log.take()
+            if cols is not None:
+                self.rec.append_columns("offload_block_events", with_pool(cols, name))
 
     def close(self) -> None:
         if getattr(self, "log", None) is not None:
@@ -180,7 +257,18 @@ class BlockPoolProbe(Probe):
 
     def uninstall(self) -> None:
         self.close()  # rows still held as columns would be lost otherwise
+        if getattr(self, "log", None) is not None:
+            self.log.route = None  # the log and this probe refer to each other through it
         super().uninstall()
+
+
+def with_pool(cols: Any, name: str) -> Any:
+    """A block_events batch (RecordBatch, or the Python log's dict of columns) with a `pool` column."""
+    if isinstance(cols, dict):
+        return {**cols, "pool": [name] * len(cols["ts_ns"])}
+    import pyarrow as pa
+
+    return cols.append_column("pool", pa.array([name] * cols.num_rows, pa.string()))
 
 
 class PrefixCacheProbe(Probe):
