@@ -105,8 +105,8 @@ def record(out, max_size, on_max_size, kv_layers, kv_granularity, kv_sample_ever
     if options_json:
         try:
             extra = json.loads(options_json)
-        except json.JSONDecodeError as exc:
-            raise KvtraceError(f"--options-json: not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise KvtraceError(f"--options-json: not JSON ({str(exc)[:200]})") from None
         if not isinstance(extra, dict):
             raise KvtraceError("--options-json: expected a JSON object")
         options.update(extra)
@@ -284,6 +284,10 @@ def query(db, name, sql, params, fmt, list_, dataset) -> None:
             why = q.empty or "nothing in the database matches"
             sys.stdout.flush()  # the (empty) result first, then the note, also on one terminal
             click.echo(f"kvtrace: {name}: no rows: {why}", err=True)
+    except KvtraceError as exc:
+        if str(exc).startswith("query failed"):  # DuckDB's reason: say which database it was about
+            raise KvtraceError(f"{dataset if dataset is not None else db}: {exc}") from None
+        raise
     finally:
         con.close()
 
@@ -450,9 +454,17 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("KVTRACE_DEBUG"):
             traceback.print_exc()
         sys.exit(1)
-    except Exception as exc:  # a bug of ours: still one line unless asked for more
-        click.echo(f"kvtrace: internal error: {exc.__class__.__name__}: {exc} (rerun with --debug for a traceback)",
-                   err=True)
+    except Exception as exc:
+        import duckdb
+
+        # A database file that cannot be read whole (cut, damaged): DuckDB's message names the file.
+        damaged = isinstance(exc, (duckdb.IOException, duckdb.SerializationException))
+        first = (str(exc).splitlines() or [""])[0][:300]
+        if damaged:
+            click.echo(f"kvtrace: error: {first}", err=True)
+        else:  # a bug of ours: still one line unless asked for more
+            click.echo(f"kvtrace: internal error: {exc.__class__.__name__}: {first} (rerun with --debug for a "
+                       "traceback)", err=True)
         if os.environ.get("KVTRACE_DEBUG"):
             traceback.print_exc()
-        sys.exit(2)
+        sys.exit(1 if damaged else 2)

@@ -452,3 +452,43 @@ def test_a_database_another_process_holds_is_named_as_such(tmp_path, small_sessi
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize("where", ["procs", "proc_dir", "shard"])
+def test_an_unreadable_folder_or_file_is_one_line(tmp_path, small_session, monkeypatch, capsys, where):
+    """A folder or shard the user may not read. Tests run as root here, for whom permissions do not
+    apply, so the refusal is made in the process: every way kvtrace lists a folder or opens a file fails
+    with the PermissionError the kernel would raise for that path."""
+    import builtins
+    import os
+
+    from kvtrace.cli import main
+
+    proc = sorted((small_session / "procs").iterdir())[0]
+    target = {"procs": small_session / "procs", "proc_dir": proc,
+              "shard": sorted(proc.glob("steps.*.arrows"))[0]}[where]
+
+    def denied(path) -> bool:
+        return os.fspath(path) == os.fspath(target)
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", os.fspath(path))
+
+    real = {"scandir": os.scandir, "listdir": os.listdir, "open": os.open, "iterdir": Path.iterdir,
+            "builtin_open": builtins.open}
+    monkeypatch.setattr(os, "scandir", lambda p=".": refuse(p) if denied(p) else real["scandir"](p))
+    monkeypatch.setattr(os, "listdir", lambda p=".": refuse(p) if denied(p) else real["listdir"](p))
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: refuse(p) if denied(p) else real["open"](p, *a, **k))
+    monkeypatch.setattr(Path, "iterdir", lambda self: refuse(self) if denied(self) else real["iterdir"](self))
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: refuse(p) if denied(p) else real["builtin_open"](p, *a, **k))
+    import pyarrow as pa
+
+    real_osfile, real_mmap = pa.OSFile, pa.memory_map
+    monkeypatch.setattr(pa, "OSFile", lambda p, *a, **k: refuse(p) if denied(p) else real_osfile(p, *a, **k))
+    monkeypatch.setattr(pa, "memory_map", lambda p, *a, **k: refuse(p) if denied(p) else real_mmap(p, *a, **k))
+    db = tmp_path / "x.duckdb"
+    with pytest.raises(SystemExit) as exit_:
+        main(["ingest", str(small_session), "-o", str(db)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith("kvtrace: error: ") and target.name in err[0] and "Permission denied" in err[0], err

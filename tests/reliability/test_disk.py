@@ -235,3 +235,51 @@ def test_python_ignores_sigxfsz_so_a_file_size_limit_is_an_error_not_a_kill(tmp_
 
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip() == str(errno.EFBIG), res.stderr
+
+
+def _ingest_limited(args: list[str], fsize_bytes: int) -> subprocess.CompletedProcess:
+    """`kvtrace ingest ARGS` with writes past `fsize_bytes` refused (RLIMIT_FSIZE: EFBIG, as a full disk
+    refuses with ENOSPC; Python ignores SIGXFSZ)."""
+    import resource
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_bytes, fsize_bytes))
+
+    return subprocess.run([sys.executable, "-m", "kvtrace", "ingest", *args], capture_output=True, text=True,
+                          preexec_fn=limit, timeout=300)
+
+
+def test_ingest_on_a_full_disk_says_what_was_stored(tmp_path):
+    """The disk refuses the second session's write: one line that names it as not stored and the first
+    as stored; the database holds the first whole (its WAL beside it), and a later ingest with room
+    stores both."""
+    from kvtrace.testing import synth
+    from tests.helpers.run import query
+
+    a, b, db = tmp_path / "a", tmp_path / "b", tmp_path / "x.duckdb"
+    ra, rb = synth.generate(a, 2000, seed=1), synth.generate(b, 2000, seed=2)
+    proc = _ingest_limited([str(a), str(b), "-o", str(db)], 1_000_000)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"kvtrace: error: {db}: the disk refused a write") and "Traceback" not in proc.stderr
+    assert f"session {rb['session_id']} was not stored" in lines[0]
+    assert f"stored before it in this run: {ra['session_id']}" in lines[0]
+    assert query(db, "select session, (select count(*) from steps s where s.session = x.session) from sessions x") \
+        == [(ra["session_id"], ra["rows"]["steps"])]
+    assert run_kvtrace("ingest", str(a), str(b), "-o", str(db), check=False).returncode == 0
+    assert sorted(query(db, "select session from sessions")) == sorted([(ra["session_id"],), (rb["session_id"],)])
+
+
+def test_ingest_of_one_session_on_a_full_disk_stores_none_of_it(tmp_path):
+    from kvtrace.testing import synth
+    from tests.helpers.run import query
+
+    s, db = tmp_path / "s", tmp_path / "x.duckdb"
+    r = synth.generate(s, 2000, seed=1)
+    proc = _ingest_limited([str(s), "-o", str(db)], 600_000)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert f"session {r['session_id']} was not stored and the database holds what it held before it" in lines[0]
+    assert "stored before it" not in lines[0]
+    assert query(db, "select count(*) from sessions") == [(0,)]

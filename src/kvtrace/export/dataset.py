@@ -25,6 +25,7 @@ import duckdb
 
 from kvtrace.errors import KvtraceError
 from kvtrace.format import schema
+from kvtrace.format.session import read_small_file
 from kvtrace.version import __version__
 
 META = "_kvtrace_dataset.json"
@@ -163,9 +164,9 @@ def _read_meta(root: Path) -> dict[str, Any]:
         raise KvtraceError(f"{root}: not a kvtrace dataset (no {META}; write one with "
                            "kvtrace export ... --format parquet -o DIR)")
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KvtraceError(f"{path}: unreadable ({exc})") from None
+        meta = json.loads(read_small_file(path))  # a regular file of bounded size (not a FIFO, /dev/zero)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise KvtraceError(f"{path}: unreadable ({str(exc)[:200]})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "schema_version" not in meta:
         raise KvtraceError(f"{path}: not a kvtrace dataset description")
     version = meta["schema_version"]

@@ -157,6 +157,10 @@ def read_small_file(path: Path, limit: int = MAX_JSON_BYTES) -> str:
 # The fields kvtrace reads from its JSON files and the types they have when kvtrace wrote them. A file
 # with another type in one of them is not ours (or was edited): refused in one line, not half-read.
 _NONE = type(None)
+
+
+class INT32:
+    """An int that fits the database's INTEGER columns (a pid, a rank), as a field type for check_types."""
 MANIFEST_TYPES: dict[str, Any] = {
     "session_id": str, "status": str, "command": (list, str), "options": dict, "engine_config": dict,
     "env": dict, "host": dict, "probes": dict, "procs": list, "problems": list, "dropped": dict, "clock": dict,
@@ -165,7 +169,7 @@ MANIFEST_TYPES: dict[str, Any] = {
 }
 OPTION_TYPES: dict[str, Any] = {"job_pattern": (str, _NONE)}
 PROC_TYPES: dict[str, Any] = {
-    "pid": int, "rank": int, "role": str, "host": str, "status": str, "probes": dict, "rows_written": dict,
+    "pid": INT32, "rank": INT32, "role": str, "host": str, "status": str, "probes": dict, "rows_written": dict,
     "dropped": dict, "engine_config": dict, "started_ns": int, "last_flush_ns": (int, _NONE),
     "stopped_reason": (str, _NONE), "hot_path": (str, _NONE), "probes_installed": bool,
     "schema_version": int,
@@ -178,6 +182,16 @@ def shown(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
+def _fits(value: Any, want: Any) -> bool:
+    """Whether `value` has type `want` (a type, or INT32: an int of 32 bits). bool is an int in Python,
+    but not what an int field holds."""
+    if isinstance(value, bool) and want is not bool:
+        return False
+    if want is INT32:
+        return isinstance(value, int) and -2**31 <= value < 2**31
+    return isinstance(value, want)
+
+
 def check_types(doc: dict[str, Any], types: dict[str, Any], path: object) -> None:
     """A one-line KvtraceError for the first known field of `doc` whose value has another type."""
     for name, want in types.items():
@@ -185,9 +199,9 @@ def check_types(doc: dict[str, Any], types: dict[str, Any], path: object) -> Non
             continue
         value = doc[name]
         wants = want if isinstance(want, tuple) else (want,)
-        # bool is an int in Python, but not what an int field holds
-        if not isinstance(value, wants) or (isinstance(value, bool) and bool not in wants):
-            names = " or ".join("null" if t is _NONE else t.__name__ for t in wants)
+        if not any(_fits(value, w) for w in wants):
+            names = " or ".join("null" if t is _NONE else "int of 32 bits" if t is INT32 else t.__name__
+                                for t in wants)
             got = json.dumps(value, default=str)
             got = got if len(got) <= 40 else got[:37] + "..."
             raise KvtraceError(f"{path}: field {name!r} is {got}, not {names}; not a file kvtrace wrote")
@@ -209,8 +223,8 @@ def read_manifest(session_dir: Path) -> dict[str, Any]:
         raise KvtraceError(f"{session_dir}: not a kvtrace session (no {MANIFEST} and no procs/)")
     try:
         doc = json.loads(read_small_file(path))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise KvtraceError(f"{path}: unreadable manifest ({exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, not UTF-8, a 5,000-digit number
+        raise KvtraceError(f"{path}: unreadable manifest ({str(exc)[:200]})") from None
     if not isinstance(doc, dict) or "schema_version" not in doc:
         raise KvtraceError(f"{path}: not a kvtrace manifest (no schema_version)")
     version = doc["schema_version"]
@@ -246,7 +260,7 @@ def read_proc(proc_dir: Path) -> dict[str, Any]:
     path = proc_dir / PROC_FILE
     try:
         doc = json.loads(read_small_file(path))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (OSError, ValueError, RecursionError):
         doc = None  # missing or cut: the process was killed while writing it
     if isinstance(doc, dict):
         check_types(doc, PROC_TYPES, path)

@@ -19,11 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import duckdb
+
 from kvtrace.errors import KvtraceError
 from kvtrace.format.session import MANIFEST, SessionDir
 from kvtrace.ingest.arrow_setup import warm_up_pyarrow
 from kvtrace.ingest.derive import job_pattern_groups
-from kvtrace.ingest.load import ingest_session
+from kvtrace.ingest.load import WriteRefused, ingest_session, write_refused
 from kvtrace.store.db import open_db
 from kvtrace.store.layout import create_tables
 
@@ -66,13 +68,23 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
                 on_report(report)
 
         for i, s in enumerate(opened):
-            done(ingest_session(con, s, progress=progress, job_pattern=job_pattern,
-                                checkpoint=i == len(opened) - 1))
+            try:
+                done(ingest_session(con, s, progress=progress, job_pattern=job_pattern,
+                                    checkpoint=i == len(opened) - 1))
+            except WriteRefused as exc:
+                raise KvtraceError(refused_message(db_path, exc, [r["session"] for r in reports])) from None
         for path in nsys or []:
             from kvtrace.ingest import nsys as nsys_mod
 
             session = reports[0]["session"] if len(reports) == 1 else None
-            stats = nsys_mod.load_nsys(con, path, session=session)
+            try:
+                stats = nsys_mod.load_nsys(con, path, session=session)
+            except duckdb.Error as exc:
+                if not write_refused(exc):
+                    raise
+                stored = ", ".join(r["session"] for r in reports if "session" in r) or "none"
+                raise KvtraceError(f"{db_path}: the disk refused a write while loading {path}: the export was "
+                                   f"not stored; sessions stored before it: {stored}") from None
             if session is not None:
                 stats["alignment"] = nsys_mod.align_nsys(con, session)
             done({"nsys": str(path), **stats})
@@ -80,3 +92,15 @@ def ingest(sessions: list[str | Path], db_path: str | Path, nsys: list[str | Pat
         return reports
     finally:
         con.close()
+
+
+def refused_message(db_path: str | Path, exc: WriteRefused, stored: list[str]) -> str:
+    """One line for a session the disk refused to store: what was kept, what was not."""
+    reason = exc.reason.splitlines()[0]
+    reason = reason.split("because of error: ")[-1].strip('"')[:160]
+    name = Path(db_path).name
+    kept = (f"; stored before it in this run: {', '.join(stored)} (partly in {name}.wal until DuckDB next writes "
+            f"the file: keep it beside {name})" if stored else "")
+    return (f"{db_path}: the disk refused a write ({reason}): session {exc.session} was not stored and the "
+            f"database holds what it held before it{kept}; free space (or raise the limit) and ingest again")
+

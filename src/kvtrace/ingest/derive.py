@@ -74,8 +74,10 @@ def derive_requests(con: duckdb.DuckDBPyConnection, sid: str, job_pattern: str |
             min(ts_ns) FILTER (event = 'arrival'), min(ts_ns) FILTER (event = 'queued'),
             min(ts_ns) FILTER (event = 'scheduled'), min(ts_ns) FILTER (event = 'first_token'),
             max(ts_ns) FILTER (event = 'finished'), any_value(reason) FILTER (event = 'finished'),
-            any_value(value) FILTER (event = 'arrival'), max(value) FILTER (event = 'finished'),
-            any_value(value) FILTER (event = 'scheduled'),
+            -- token counts: a value no INTEGER holds (a damaged shard) is unknown, not an error
+            TRY_CAST(any_value(value) FILTER (event = 'arrival') AS INTEGER),
+            TRY_CAST(max(value) FILTER (event = 'finished') AS INTEGER),
+            TRY_CAST(any_value(value) FILTER (event = 'scheduled') AS INTEGER),
             count(*) FILTER (event = 'preempted'), count(*) FILTER (event = 'resumed')
         FROM request_events WHERE session = ?
         GROUP BY session, request_id""", [sid])

@@ -151,12 +151,13 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
         job_pattern_groups(job_pattern)  # a bad pattern fails here, before anything is loaded
     create_tables(con)
     shards_by_proc = [(p.path, p.doc, list_shards(p.path, p.status)) for p in session.procs]
-    total = sum(len(s) for _, _, s in shards_by_proc)
-    bar = Progress(f"ingest {session_dir.name}", total, progress)
-    rows: dict[str, int] = {t: 0 for t in schema.TABLES}
     issues: list[tuple[str, str, int]] = [
         (str(p), f"{p}: a link, not read (kvtrace makes none; a process folder read through one could "
                  "count twice)", 0) for p in linked_proc_dirs(session_dir)]
+    shards_by_proc = _without_copies(shards_by_proc, issues)
+    total = sum(len(s) for _, _, s in shards_by_proc)
+    bar = Progress(f"ingest {session_dir.name}", total, progress)
+    rows: dict[str, int] = {t: 0 for t in schema.TABLES}
     # `kvtrace record` said the command ended cleanly and every process closed (whatever was missing).
     incomplete = manifest.get("status") not in CLOSED_STATUSES
     t0 = time.monotonic()
@@ -214,17 +215,73 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
         for path, problem, cut in [*(("", problem, 0) for problem in problems), *issues]:
             con.execute("INSERT INTO ingest_issues VALUES (?, ?, ?, ?)", [sid, shown(path), shown(problem), cut])
         con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
+    except BaseException as exc:
+        try:
+            con.execute("ROLLBACK")
+            restore()
+        except duckdb.Error:  # the write failed so badly that DuckDB closed the database: nothing to undo
+            pass
+        if isinstance(exc, duckdb.Error) and write_refused(exc):
+            raise WriteRefused(sid, str(exc)) from None
         raise
-    finally:
-        restore()
+    restore()
     bar.finish()
     seconds = time.monotonic() - t0
     events = sum(rows.values())
     return {"session": sid, "status": status, "rows": rows, "events": events, "seconds": seconds,
             "events_per_s": events / seconds if seconds > 0 else 0.0, "issues": [p for _, p, _ in issues],
             "problems": problems, "probes": probe_report(con, sid)}
+
+
+def _without_copies(shards_by_proc: list[tuple], issues: list[tuple[str, str, int]]) -> list[tuple]:
+    """The shards with byte-for-byte copies of another left out (reported in `issues`): a shard copied
+    under another number, or a process folder copied under another name, would count its rows twice.
+    Two processes never write the same bytes (every row has its own time), so equal bytes are a copy.
+    Only shards of equal table and size are read to compare, so this costs nothing in a real session."""
+    import hashlib
+
+    by_size: dict[tuple[str, int], list[Path]] = {}
+    for _, _, shards in shards_by_proc:
+        for sh in shards:
+            try:
+                by_size.setdefault((sh.table, sh.path.stat().st_size), []).append(sh.path)
+            except OSError:
+                continue  # read (and reported) as it is
+    copies: set[Path] = set()
+    for (_, size), paths in by_size.items():
+        if len(paths) < 2 or size == 0:
+            continue
+        first: dict[str, Path] = {}
+        for path in paths:
+            digest = hashlib.blake2b()
+            try:
+                with open(path, "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(chunk)
+            except OSError:
+                continue
+            original = first.setdefault(digest.hexdigest(), path)
+            if original != path:
+                copies.add(path)
+                issues.append((str(path), f"{path}: the same bytes as {original}: a copy, not read "
+                                          "(its rows would count twice)", 0))
+    if not copies:
+        return shards_by_proc
+    return [(d, doc, [sh for sh in shards if sh.path not in copies]) for d, doc, shards in shards_by_proc]
+
+
+class WriteRefused(Exception):
+    """The disk refused to store a session (full, or a file-size limit): nothing of it was stored."""
+
+    def __init__(self, session: str, reason: str):
+        super().__init__(reason)
+        self.session, self.reason = session, reason
+
+
+def write_refused(exc: BaseException) -> bool:
+    """Whether a DuckDB error is the file system refusing a write (no space, a file-size limit)."""
+    text = str(exc)
+    return "Could not write file" in text or "No space left" in text or "File too large" in text
 
 
 def _ingest_settings(con: duckdb.DuckDBPyConnection, checkpoint: bool = True):

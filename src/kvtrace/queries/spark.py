@@ -123,8 +123,8 @@ def read_meta(spark, path: str) -> dict[str, Any]:
             finally:
                 stream.close()
         meta = json.loads(text)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KvtraceError(f"{path}: not a kvtrace dataset (cannot read {META}: {exc})") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise KvtraceError(f"{path}: not a kvtrace dataset (cannot read {META}: {str(exc)[:200]})") from None
     except Exception as exc:  # Py4JJavaError: FileNotFoundException and the like
         raise KvtraceError(f"{path}: not a kvtrace dataset (cannot read {META}: "
                            f"{str(exc).splitlines()[0][:160]})") from None

@@ -50,7 +50,9 @@ def open_session(db_path: str | Path, session: str | None) -> tuple[duckdb.DuckD
     try:
         if not _has_table(con, "sessions") or not _has_table(con, "steps"):
             raise KvtraceError(f"{db_path}: no kvtrace sessions in this database (only Nsight data?)")
-        ids = [r[0] for r in con.execute("SELECT session FROM sessions ORDER BY session").fetchall()]
+        # A row without a session id is no session (a database edited by hand): left out.
+        ids = [r[0] for r in con.execute("SELECT session FROM sessions WHERE session IS NOT NULL "
+                                         "ORDER BY session").fetchall()]
         if session is not None:
             if session not in ids:
                 raise KvtraceError(f"{db_path}: no session {session!r} (it has: {', '.join(ids) or 'none'})")
