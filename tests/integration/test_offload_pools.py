@@ -68,9 +68,9 @@ def replay(rows: list[dict]) -> dict[int, set[int]]:
                 if r["event"] == "alloc":
                     assert ref[b] == 0, f"block {b} allocated while held (step {step})"
                     ref[b] = 1
-                elif r["event"] == "touch":
+                elif r["event"] in ("touch", "hold"):
                     ref[b] += 1
-                elif r["event"] == "free":
+                elif r["event"] in ("free", "release"):
                     ref[b] -= 1
                     assert ref[b] >= 0, f"block {b} freed more often than held (step {step})"
         after[step] = {b for b, n in ref.items() if n > 0}
@@ -97,6 +97,19 @@ def test_each_pool_replays_to_vllms_own_references(offload_run):
     # No CPU-tier block id in the GPU table: the GPU pool has GPU_BLOCKS blocks, the CPU tier many more.
     assert max(b for r in gpu_rows for b in r["block_ids"]) < GPU_BLOCKS
     assert max(b for r in cpu_rows for b in r["block_ids"]) >= GPU_BLOCKS
+
+
+def test_the_connectors_own_references_are_holds(offload_run):
+    """SimpleCPUOffloadConnector keeps the GPU blocks it stores referenced until the store is done
+    (`touch`, then `free_blocks`, from its own methods): recorded as hold and release, not as prefix-cache
+    hits and request frees. Every hold was released by the end (every transfer finished)."""
+    session, _ = offload_run
+    gpu_rows = read_rows(session, "block_events")
+    held = Counter(b for r in gpu_rows if r["event"] == "hold" for b in r["block_ids"])
+    released = Counter(b for r in gpu_rows if r["event"] == "release" for b in r["block_ids"])
+    assert held and held == released
+    # The scheduler's own touches are prefix-cache hits: each names the request that hit.
+    assert all(r["request_id"] for r in gpu_rows if r["event"] == "touch")
 
 
 def test_stores_allocate_cpu_blocks_one_for_one(offload_run):

@@ -57,7 +57,8 @@ PROCESS_COLUMNS: tuple[Column, ...] = (
 BLOCK_EVENT_COLUMNS: tuple[Column, ...] = (
     _c("ts_ns", i64, "ns", "when it happened"),
     _c("step", i64, "", "engine step id"),
-    _c("event", s, "", "alloc, free, cache, touch, evict, pin, unpin, expire"),
+    _c("event", s, "", "alloc, free, cache, touch (a prefix-cache hit), evict; hold, release: a KV "
+       "connector's own reference taken or dropped (blocks kept while stored or loaded)"),
     _c("kv_group", i16, "", "KV-cache group id (0 for single-group models)"),
     _c("request_id", s, "", "request the call was made for, when known"),
     _c("block_ids", i32_list, "", "physical block ids"),

@@ -233,7 +233,7 @@ static PyObject *str_take(StrCol *c) {
 
 /* ---- naming the request from the caller's frame -------------------------------------------- */
 
-static PyObject *s_request_id, *s_request, *s_step, *s_block_id, *s_block_hash, *s_null_block;
+static PyObject *s_request_id, *s_request, *s_step, *s_block_id, *s_block_hash, *s_null_block, *s_connector;
 
 /* ---- reading a __slots__ attribute directly ---------------------------------------------------- */
 
@@ -434,15 +434,15 @@ static PyObject *py_caller_request_id(PyObject *mod, PyObject *args) {
 
 /* ---- BlockLog: block_events rows ------------------------------------------------------------ */
 
-enum { EV_ALLOC, EV_FREE, EV_TOUCH, EV_CACHE, EV_EVICT };
-static const char *const EVENT_NAMES[] = {"alloc", "free", "touch", "cache", "evict"};
+enum { EV_ALLOC, EV_FREE, EV_TOUCH, EV_CACHE, EV_EVICT, EV_HOLD, EV_RELEASE };
+static const char *const EVENT_NAMES[] = {"alloc", "free", "touch", "cache", "evict", "hold", "release"};
 
 typedef struct {
     PyObject_HEAD
     PyObject *ctx;         /* kvtrace.probes.context.ctx: .step, .request_id (fallback attribution) */
     PyObject *fallback_fn; /* the Python caller_request_id, where frames cannot be read here */
     PyObject *hash_attr;   /* the KVCacheBlock attribute that holds its hash (str) */
-    SlotRef ctx_step, ctx_request_id; /* ctx.step, ctx.request_id read directly (EngineContext slots) */
+    SlotRef ctx_step, ctx_request_id, ctx_connector; /* ctx.step, .request_id, .connector (EngineContext slots) */
     SlotRef block_id, block_hash; /* a KVCacheBlock's block_id and hash attribute (hash_attr) */
     PyObject *pool_ref, *null_block; /* a weak reference to the last BlockPool seen by free/touch, and
                                         its null block (a strong reference would keep a dropped pool) */
@@ -697,6 +697,7 @@ static int BlockLog_init(BlockLog *self, PyObject *args, PyObject *kw) {
     Py_XSETREF(self->hash_attr, Py_NewRef(hash_attr));
     slot_ref_init(&self->ctx_step, ctx, s_step);
     slot_ref_init(&self->ctx_request_id, ctx, s_request_id);
+    slot_ref_init(&self->ctx_connector, ctx, s_connector);
     Py_XSETREF(self->fallback_fn, Py_NewRef(fallback));
     self->flush_rows = flush_rows;
     self->flush_ns = flush_ns;
@@ -723,6 +724,7 @@ static void BlockLog_dealloc(BlockLog *self) {
     Py_XDECREF(self->hash_attr);
     Py_CLEAR(self->ctx_step.type);
     Py_CLEAR(self->ctx_request_id.type);
+    Py_CLEAR(self->ctx_connector.type);
     Py_CLEAR(self->block_id.type);
     Py_CLEAR(self->block_hash.type);
     Py_CLEAR(self->pool_ref);
@@ -841,6 +843,17 @@ static PyObject *block_ids_row(BlockLog *self, PyObject *pool, PyObject *blocks,
     if (k == 0) {
         self->ids.n = before;
         Py_RETURN_FALSE;
+    }
+    /* A touch or free made inside a KV connector's method (ctx.connector set by the connector probe)
+       is the connector holding blocks during a transfer, or letting them go: not a prefix-cache hit, not
+       a request's free. */
+    PyObject *holder = slot_get(&self->ctx_connector, self->ctx, s_connector);
+    if (holder == NULL) {
+        PyErr_Clear();
+    } else {
+        if (holder != Py_None)
+            event = event == EV_TOUCH ? EV_HOLD : EV_RELEASE;
+        Py_DECREF(holder);
     }
     int64_t t = now_ns();
     PyObject *rid = block_request(self, skip);
@@ -2279,6 +2292,7 @@ PyMODINIT_FUNC PyInit__columns(void) {
     s_request_id = PyUnicode_InternFromString("request_id");
     s_request = PyUnicode_InternFromString("request");
     s_step = PyUnicode_InternFromString("step");
+    s_connector = PyUnicode_InternFromString("connector");
     s_block_id = PyUnicode_InternFromString("block_id");
     s_block_hash = PyUnicode_InternFromString("block_hash");
     s_null_block = PyUnicode_InternFromString("null_block");

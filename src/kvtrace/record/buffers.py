@@ -137,6 +137,12 @@ def _ids_without(blocks: Any, null: Any) -> list[int]:
 
 
 # ---- block_events ----------------------------------------------------------------------------------
+# A touch or free made inside a KV connector's method (`ctx.connector` set by the connector probe) is
+# the connector holding blocks during a transfer, or letting them go: not a prefix-cache hit, not a
+# request's free.
+HELD_AS = {"touch": "hold", "free": "release"}
+
+
 class BlockLog:
     """`block_events` rows, one per block-pool call, as columns (block ids and hashes flattened, with
     end offsets). The request is named from the caller's frame (`caller_request_id`), else
@@ -281,6 +287,8 @@ class BlockLog:
         ids = _ids_without(blocks, pool.null_block)
         if not ids:
             return False
+        if getattr(self.ctx, "connector", None) is not None:  # inside a KV connector's method: its hold
+            event = HELD_AS[event]
         t = _now()
         rid = caller_request_id(4)
         self._add(t, event, 0, rid if rid is not None else getattr(self.ctx, "request_id", None), ids)

@@ -324,6 +324,25 @@ def test_block_log_routes_other_pools_to_their_own_logs(kind):
     assert log.for_pool(cpu) is log
 
 
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_touch_and_free_inside_a_connector_are_its_holds(kind):
+    if kind == "native" and buffers._columns is None:
+        pytest.skip(f"native logs not built: {buffers.NATIVE_MISSING}")
+    log = buffers.BlockLog() if kind == "python" else buffers.NativeBlockLog(ctx, buffers.caller_request_id)
+    ctx.step = 3
+    log.touch(POOL, [Block(4)])
+    ctx.connector = "SimpleCPUOffloadConnector"
+    try:
+        log.touch(POOL, [Block(5)])
+        log.free(POOL, [Block(5)])
+    finally:
+        ctx.connector = None
+    log.free(POOL, [Block(4)])
+    rows = table(log.take(), "block_events").to_pylist()
+    assert [(r["event"], r["block_ids"]) for r in rows] == [("touch", [4]), ("hold", [5]), ("release", [5]),
+                                                             ("free", [4])]
+
+
 @native_only
 def test_block_hooks_route_by_the_pool_they_are_called_on(monkeypatch):
     """A BlockHook writes a call's row to the log of the pool it is called on; a route that fails is the

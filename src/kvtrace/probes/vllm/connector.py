@@ -35,8 +35,11 @@ FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 WORKER = "vllm.v1.worker.worker_base"
 
+# Scheduler-side methods that write no row but may hold or let go of blocks (offload connectors keep
+# blocks referenced while they are stored or loaded): wrapped only so their pool calls count as holds.
+HOLD_ONLY_METHODS = ("update_connector_output", "register_finished_partial_tail", "reset_cache", "on_new_request")
 SCHEDULER_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                     "request_finished", "request_finished_all_groups", "bind_kv_cache_manager")
+                     "request_finished", "request_finished_all_groups", "bind_kv_cache_manager", *HOLD_ONLY_METHODS)
 WORKER_METHODS = ("bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
                   "wait_for_save", "get_finished", "get_transfer_results")
 
@@ -71,6 +74,17 @@ def layer_token_bytes(kv_cache_config: Any) -> dict[str, int]:
         for layer in group.layer_names:
             out[layer] = per_token
     return out
+
+
+def in_connector(method: Any, args: tuple, kwargs: dict) -> Any:
+    """Call a connector's method with `ctx.connector` naming the connector: the block-pool calls it makes
+    meanwhile are its holds (kv_blocks: touch -> hold, free -> release), not the scheduler's."""
+    before = ctx.connector
+    ctx.connector = type(getattr(method, "__self__", method)).__name__
+    try:
+        return method(*args, **kwargs)
+    finally:
+        ctx.connector = before
 
 
 class ConnectorProbe(Probe):
@@ -155,8 +169,9 @@ class ConnectorProbe(Probe):
             method = getattr(conn, name, None)
             if method is None or not callable(method):
                 continue
+            make = self._w_holds_only if name in HOLD_ONLY_METHODS else getattr(self, "_w_" + name)
             try:
-                setattr(conn, name, getattr(self, "_w_" + name)(method, state))
+                setattr(conn, name, make(method, state))
             except (AttributeError, TypeError):  # __slots__ or a read-only attribute: not observed
                 continue
             wrapped.append(name)
@@ -178,7 +193,7 @@ class ConnectorProbe(Probe):
         if not self.enabled:
             return method(*args, **kwargs)
         t0 = _now()
-        result = method(*args, **kwargs)
+        result = in_connector(method, args, kwargs)
         t1 = _now()
         try:
             self.maybe_inject_fault()
@@ -203,6 +218,13 @@ class ConnectorProbe(Probe):
         def wrapper(kv_cache_manager, *args, **kwargs):
             state.kvm = kv_cache_manager
             return method(kv_cache_manager, *args, **kwargs)
+        return wrapper
+
+    def _w_holds_only(self, method, state):
+        def wrapper(*args, **kwargs):
+            if not self.enabled:
+                return method(*args, **kwargs)
+            return in_connector(method, args, kwargs)
         return wrapper
 
     def _w_get_num_new_matched_tokens(self, method, state):
