@@ -178,6 +178,37 @@ def test_a_small_ring_counts_exact_drops(model, tmp_path):
     assert row["status"] != "complete" and row["dropped_events"] >= dropped
 
 
+def test_cpu_offload_keeps_its_pool_apart(model, tmp_path):
+    """vLLM's SimpleCPUOffloadConnector on the GPU (its worker copies with CUDA): the CPU tier's BlockPool
+    numbers its blocks from 0 like the GPU's, so its calls must land in offload_block_events under the
+    pool's name, never in block_events; the GPU blocks it held while storing are released by the end;
+    its worker's transfers are recorded; vLLM's own counters still match."""
+    name = "v2-default-cpu-offload"
+    args = {"kv_transfer_config": {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+                                   "kv_connector_extra_config": {"cpu_bytes_to_use": 256 << 20}}}
+    run = record(tmp_path, name, model, args, {}, ["--kv-granularity", "off"])
+    con = duckdb.connect(str(run["db"]), read_only=True)
+    try:
+        pools = con.execute("select pool, count(*), max(block_id) from offload_block_events group by 1").fetchall()
+        (gpu_blocks,), = con.execute("select num_kv_blocks from sessions").fetchall()
+        (gpu_max,), = con.execute("select max(block_id) from block_events").fetchall()
+        holds = dict(con.execute("select event, count(*) from block_events where event in ('hold', 'release') "
+                                 "group by 1").fetchall())
+        transfers = con.execute("select connector, direction, count(*) from transfers group by 1, 2 order by 1, 2"
+                                ).fetchall()
+    finally:
+        con.close()
+    row = summary(run["db"])
+    note(name, {**row, "pools": pools, "gpu_blocks": gpu_blocks, "gpu_max": gpu_max, "holds": holds,
+                "transfers": transfers, "vllm": run["metrics"]["vllm"]})
+    assert row["status"] == "complete" and row["requests"] == 18, row
+    assert [p[0] for p in pools] == ["SimpleCPUOffloadConnector.scheduler_manager.cpu_block_pool"], pools
+    assert gpu_max <= gpu_blocks, (gpu_max, gpu_blocks)  # num_kv_blocks: usable blocks (the null block is 0)
+    assert holds.get("hold", 0) > 0, holds
+    assert any(t[0] == "SimpleCPUOffloadConnector" and t[1] in ("save", "load") for t in transfers), transfers
+    assert row["preemptions"] == run["metrics"]["vllm"]["num_preemptions"]
+
+
 def teardown_module(module) -> None:
     """The runs' logs and databases, as one file (the device tool brings back a few files only)."""
     if OUT is not None and (OUT / "logs").is_dir():
