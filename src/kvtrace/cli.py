@@ -375,6 +375,40 @@ def compare(dbs, out, fmt) -> None:
 
 
 @cli.command(context_settings=CONTEXT)
+@click.argument("session", type=click.Path())
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="Session directory to write.")
+@click.option("--num-blocks", type=int, default=None, help="KV blocks in the pool (vLLM's num_gpu_blocks).")
+@click.option("--block-size", type=int, default=None, help="Tokens per KV block.")
+@click.option("--max-num-seqs", type=int, default=None, help="Requests running at once.")
+@click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget of a step.")
+@click.option("--max-model-len", type=int, default=None, help="Longest sequence (tokens).")
+@click.option("--prefix-caching/--no-prefix-caching", default=None, help="Automatic prefix caching on or off.")
+@click.option("--progress/--no-progress", default=None, help="Progress on stderr (default: when a terminal).")
+def replay(session, out, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+           prefix_caching, progress) -> None:
+    """Run a recording's requests again through vLLM's own scheduler and KV cache manager (no model, CPU),
+    at its configuration or another, recorded as a new session. Settings not given are the recording's.
+
+    \b
+    kvtrace replay run1 -o run1-64 --num-blocks 64
+    kvtrace ingest run1 run1-64 -o both.duckdb && kvtrace query both.duckdb summary
+    """
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's config messages are not this command's output
+    from kvtrace.replay import replay as do_replay
+
+    overrides = {"num_blocks": num_blocks, "block_size": block_size, "max_num_seqs": max_num_seqs,
+                 "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+                 "enable_prefix_caching": prefix_caching}
+    show = sys.stderr.isatty() if progress is None else progress
+    r = do_replay(session, out, overrides, progress=show)
+    click.echo(f"replayed {r['requests']:,} requests of {session} in {r['steps']:,} engine steps -> {r['session_dir']}")
+    for rid, why in list(r["skipped"].items())[:5]:
+        click.echo(f"  not replayed: {rid}: {why}")
+    if len(r["skipped"]) > 5:
+        click.echo(f"  ... and {len(r['skipped']) - 5} more not replayed")
+
+
+@cli.command(context_settings=CONTEXT)
 @click.option("-o", "--output", "out", default="kvtrace-demo", show_default=True, help="Directory for everything.")
 @click.option("--requests", "num_requests", default=24, show_default=True, help="Requests in the workload.")
 def demo(out, num_requests) -> None:

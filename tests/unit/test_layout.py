@@ -3,7 +3,7 @@ one above it), and what a built wheel holds is what the source tree holds.
 
 The layers, lowest first (docs/architecture.md): errors and version; format (the on-disk contract);
 record (the in-process recorder); probes; store (the DuckDB layout); ingest; queries; export; testing;
-demo; then the command line and the package's own API on top. A module may import its own folder and
+demo; replay (runs the scheduler with the probes, on the demo's tiny model); then the command line and the package's own API on top. A module may import its own folder and
 the folders below it, at module level or inside a function alike.
 """
 
@@ -21,7 +21,7 @@ import tomllib
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src"
 LAYERS = [("errors", "version"), ("format",), ("record",), ("probes",), ("store",), ("ingest",), ("queries",),
-          ("export",), ("testing",), ("demo",), ("cli", "__main__", "")]
+          ("export",), ("testing",), ("demo",), ("replay",), ("cli", "__main__", "")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

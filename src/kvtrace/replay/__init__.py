@@ -1,0 +1,128 @@
+"""What-if replay: the requests of one recording run again through vLLM's real scheduler and KV cache
+manager (no model, CPU), with the same or another configuration, and recorded by kvtrace's own probes
+into a normal session.
+
+    kvtrace replay run1 -o run1-1024 --num-blocks 1024
+    kvtrace ingest run1 run1-1024 -o both.duckdb && kvtrace compare ...
+
+`--clock steps` (the only clock so far): each request is queued before the engine step it was queued
+before in the recording, so at the recording's own configuration the scheduler sees what it saw.
+Requests keep their ids, prompt and output lengths and the block-hash structure of their sequences
+(workload.py); the tokens are made up per distinct hash. docs/replay.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtrace.errors import KvtraceError
+from kvtrace.replay.engine import VOCAB, ReplayEngine, SchedulerSettings
+from kvtrace.replay.workload import Workload, read_workload, sequence
+
+HOST_PROBES = ("scheduler", "kv_blocks", "prefix_cache")
+
+
+def settings_for(w: Workload, overrides: dict[str, Any]) -> SchedulerSettings:
+    """The recording's scheduling settings, with `overrides` (engine-argument names) applied."""
+    e = w.engine
+
+    def whole(name: str, default: int | None = None) -> Any:
+        value = e.get(name) if e.get(name) is not None else default
+        return value  # check_settings refuses what is not a whole number in range
+
+    s = SchedulerSettings(num_blocks=whole("num_kv_blocks"), block_size=whole("block_size"),
+                          max_num_seqs=whole("max_num_seqs", 256),
+                          max_num_batched_tokens=whole("max_num_batched_tokens", 2048),
+                          max_model_len=whole("max_model_len", 4096),
+                          enable_prefix_caching=e.get("enable_prefix_caching", True) is not False)
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(s, k, v)
+    return s
+
+
+# Beyond these a setting is not one a vLLM engine runs with here (a damaged manifest, a typo): refused
+# rather than building a pool of that many Python objects.
+MAX_BLOCKS = 1 << 24
+MAX_MODEL_LEN = 1 << 24
+
+
+def check_settings(s: SchedulerSettings, where: str) -> None:
+    """One-line errors for settings vLLM would refuse, or that no engine has."""
+    for name, value, lo, hi in (("num_blocks", s.num_blocks, 2, MAX_BLOCKS), ("block_size", s.block_size, 1, 1 << 16),
+                                ("max_num_seqs", s.max_num_seqs, 1, 1 << 20),
+                                ("max_num_batched_tokens", s.max_num_batched_tokens, 1, 1 << 26),
+                                ("max_model_len", s.max_model_len, 1, MAX_MODEL_LEN)):
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise KvtraceError(f"{where}: {name} {shown} is outside {lo:,}..{hi:,}")
+    need = -(-s.max_model_len // s.block_size)
+    if need > s.num_blocks - 1:  # vLLM checks this when the engine starts: one longest request must fit
+        raise KvtraceError(f"{where}: {s.num_blocks} blocks of {s.block_size} tokens (one is vLLM's null block) "
+                           f"cannot hold one max_model_len {s.max_model_len} request, so vLLM would not start; "
+                           f"give more --num-blocks or a smaller --max-model-len")
+
+
+def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, Any] | None = None,
+           progress: bool = False) -> dict[str, Any]:
+    """Replay the recording at `session_dir` into a new session at `out_dir`; returns a short report."""
+    from kvtrace.demo.model import ensure_tiny_model
+    from kvtrace.probes import lifecycle
+    from kvtrace.probes.vllm.kv_blocks import BlockPoolProbe, PrefixCacheProbe
+    from kvtrace.probes.vllm.scheduler import SchedulerProbe
+    from kvtrace.record.context import ctx
+    from kvtrace.record.launch import finalize_session, prepare_session
+    from kvtrace.record.recorder import Recorder
+
+    if Path(out_dir).resolve() == Path(session_dir).resolve():
+        raise KvtraceError(f"{out_dir}: the recording itself; write the replay to another directory")
+    w = read_workload(session_dir)
+    s = settings_for(w, overrides or {})
+    check_settings(s, f"{session_dir}")
+    too_long = [r.request_id for r in w.requests if r.prompt_tokens + r.output_tokens > s.max_model_len]
+    if too_long:
+        raise KvtraceError(f"{session_dir}: {len(too_long)} request(s) longer than max_model_len {s.max_model_len} "
+                           f"(e.g. {too_long[0]}); give --max-model-len")
+    options = {"replay_of": w.session_id, "replay_settings": vars(s)}
+    out, _ = prepare_session(out_dir, ["kvtrace", "replay", str(session_dir)], options)
+    rec = Recorder(out, "engine", options)
+    probes = []
+    ctx.step, ctx.request_id, ctx.connector = 0, None, None
+    try:
+        for cls in (SchedulerProbe, BlockPoolProbe, PrefixCacheProbe):
+            probe = cls(rec, rec.options)
+            if not probe.install():
+                raise KvtraceError(f"replay: probe {cls.name} did not install: {rec.info['probes'].get(cls.name)}")
+            probes.append(probe)
+            lifecycle.install([probe])
+        engine = ReplayEngine(str(ensure_tiny_model()), s)
+        pending, i, n = w.requests, 0, len(w.requests)
+        while i < n or engine.has_work():
+            # Requests queued after step k (ctx.step = k then) are added before step k + 1 is scheduled.
+            while i < n and (pending[i].queued_step <= engine.steps or not engine.has_work()):
+                r = pending[i]
+                engine.add(r.request_id, sequence(r, s.block_size, VOCAB), r.prompt_tokens, r.output_tokens)
+                i += 1
+            scheduled = engine.step()
+            if not scheduled.num_scheduled_tokens and i >= n and not scheduled.finished_req_ids:
+                raise KvtraceError(f"{session_dir}: vLLM's scheduler scheduled nothing at step {engine.steps} "
+                                   f"with {len(engine.sched.waiting)} request(s) waiting; stopped")
+            if progress and engine.steps % 500 == 0:
+                print(f"\rreplay: step {engine.steps:,}, {i:,}/{n:,} requests queued", end="", file=sys.stderr)
+        if progress:
+            print(file=sys.stderr)
+    finally:
+        for probe in reversed(probes):
+            if probe in lifecycle._installed:
+                lifecycle._installed.remove(probe)
+            close = getattr(probe, "close", None)
+            if close is not None:
+                close()
+            probe.uninstall()
+        rec.close()
+    finalize_session(out, 0)
+    return {"session_dir": str(out), "requests": n, "steps": engine.steps, "skipped": w.skipped,
+            "settings": vars(s), "pid": os.getpid()}

@@ -1,0 +1,108 @@
+"""vLLM's own Scheduler and KV cache manager, run without a model on the CPU, with every request's
+output tokens scripted (a replay knows each sequence in advance: workload.sequence).
+
+The VllmConfig comes from `EngineArgs(...).create_engine_config()` as a real engine's does, for kvtrace's
+tiny offline Llama (`kvtrace make-model`; the scheduler needs a model config, not weights) with the
+recording's scheduling settings; the KVCacheConfig is one full-attention group of `num_blocks` blocks
+(block 0 is vLLM's null block), as a worker would report it. Each step: schedule(), a made-up
+ModelRunnerOutput (one token for each request that finished its prompt), update_from_output().
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvtrace.errors import KvtraceError
+
+VOCAB = 512  # the tiny model's vocabulary
+
+
+@dataclass
+class SchedulerSettings:
+    """What the replayed scheduler is built with (engine-argument names)."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+
+
+class ReplayEngine:
+    def __init__(self, model_dir: str, s: SchedulerSettings):
+        import torch
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        # The tiny model's config says 4,096 positions; the recorded model's max_model_len may be longer.
+        # No model runs here, so vLLM's check of positions against the weights does not apply.
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+        args = EngineArgs(model=model_dir, dtype="float32", max_model_len=s.max_model_len, block_size=s.block_size,
+                          max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                          enable_prefix_caching=s.enable_prefix_caching, enforce_eager=True,
+                          num_gpu_blocks_override=s.num_blocks, seed=0)
+        try:
+            config = args.create_engine_config()
+        except Exception as exc:  # vLLM's own checks of the settings (pydantic, ValueError)
+            why = " ".join(str(exc).split())
+            why = why.split("Value error, ")[-1][:240]
+            raise KvtraceError(f"vLLM refuses these scheduler settings ({vars(s)}): {why}") from None
+        config.cache_config.num_gpu_blocks = s.num_blocks  # what EngineCore sets once workers report
+        hf = config.model_config.hf_config
+        spec = FullAttentionSpec(block_size=s.block_size, num_kv_heads=hf.num_key_value_heads,
+                                 head_size=hf.hidden_size // hf.num_attention_heads, dtype=torch.float32)
+        layers = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
+        kv_cache_config = KVCacheConfig(num_blocks=s.num_blocks, kv_cache_tensors=[],
+                                        kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+        kv_cache_config.hash_block_size = s.block_size
+        self.sched = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                               structured_output_manager=StructuredOutputManager(config),
+                               block_size=s.block_size, hash_block_size=s.block_size, log_stats=True)
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(s.block_size, hash_fn)
+        self.sequences: dict[str, list[int]] = {}  # request -> prompt + output tokens
+        self.prompt_len: dict[str, int] = {}
+        self.steps = 0
+
+    def add(self, request_id: str, tokens: list[int], prompt_len: int, max_tokens: int) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max(max_tokens, 1), ignore_eos=True, temperature=0.0)
+        self.sequences[request_id], self.prompt_len[request_id] = tokens, prompt_len
+        self.sched.add_request(Request(request_id=request_id, prompt_token_ids=tokens[:prompt_len],
+                                       sampling_params=params, pooling_params=None,
+                                       block_hasher=self.block_hasher))
+
+    def step(self) -> Any:
+        """One engine step; returns the SchedulerOutput."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        sched = self.sched
+        out = sched.schedule()
+        requests = sched.requests
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = requests[rid]
+            if req.is_prefill_chunk:
+                sampled.append([])
+                continue
+            seq, n = self.sequences[rid], self.prompt_len[rid] + req.num_output_tokens
+            sampled.append([seq[n] if n < len(seq) else 0])
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled)
+        sched.update_from_output(out, mro)
+        self.steps += 1
+        return out
+
+    def has_work(self) -> bool:
+        return self.sched.has_requests()

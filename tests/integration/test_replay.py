@@ -1,0 +1,79 @@
+"""`kvtrace replay`: a recorded real run (the standard workload on vLLM's CPU build: prefix sharing, one
+preemption in a 40-block pool) run again through vLLM's own scheduler and KV cache manager, no model.
+
+- At the recording's own configuration the replay is the run again: every engine step schedules the
+  same requests for the same tokens, every block event names the same block for the same request, and
+  the prefix-cache and preemption counts are equal.
+- At another pool size it predicts a real run with that pool: recorded for real here too, and compared.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.run import query, record_workload, run_kvtrace
+
+pytestmark = pytest.mark.vllm
+
+COUNTS = ("select count(*) from steps", "select count(*) from requests", "select count(*) from preemptions",
+          "select sum(query_tokens) from prefix_lookups", "select sum(hit_tokens) from prefix_lookups",
+          "select count(*) from block_events where event = 'alloc'",
+          "select count(*) from block_events where event = 'evict'")
+
+
+def counts(db) -> list:
+    return [query(db, sql)[0][0] for sql in COUNTS]
+
+
+def rows(db, sql: str) -> list:
+    return sorted(query(db, sql), key=repr)
+
+
+@pytest.fixture(scope="module")
+def replayed(recorded_run, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("replay")
+    proc = run_kvtrace("replay", str(recorded_run["session"]), "-o", str(tmp / "again"))
+    assert "replayed 18 requests" in proc.stdout, proc.stdout + proc.stderr
+    run_kvtrace("ingest", str(tmp / "again"), "-o", str(tmp / "again.duckdb"))
+    return tmp / "again.duckdb"
+
+
+def test_replay_at_the_recordings_own_configuration_is_the_run_again(recorded_run, replayed):
+    real = recorded_run["db"]
+    assert counts(replayed) == counts(real)
+    vllm = recorded_run["metrics"]["vllm"]
+    assert query(replayed, "select count(*) from preemptions")[0][0] == vllm["num_preemptions"] > 0
+    # Every step's requests, tokens, phase and kind.
+    sql = "select step, request_id, tokens, phase, kind, computed_before from step_requests"
+    assert rows(replayed, sql) == rows(real, sql)
+    # Every block event: the same block for the same request in the same step.
+    sql = "select step, event, request_id, block_id from block_events"
+    assert rows(replayed, sql) == rows(real, sql)
+    sql = "select step, request_id, query_tokens, hit_tokens, after_preemption from prefix_lookups"
+    assert rows(replayed, sql) == rows(real, sql)
+    (status, of), = query(replayed, "select status, json_extract_string(manifest, '$.options.replay_of') from sessions")
+    assert status == "complete" and of == query(real, "select session from sessions")[0][0]
+
+
+def test_replay_at_a_smaller_pool_predicts_the_real_run(recorded_run, tiny_model, tmp_path):
+    """The standard workload recorded for real with a 34-block pool, and the 40-block recording replayed
+    at 34 blocks: prefix-cache hits and preemptions within 5% (docs/replay.md has the figures)."""
+    real = record_workload(tmp_path, "real34", tiny_model, ["--num-blocks", "34"])["db"]
+    run_kvtrace("replay", str(recorded_run["session"]), "-o", str(tmp_path / "r34"), "--num-blocks", "34")
+    run_kvtrace("ingest", str(tmp_path / "r34"), "-o", str(tmp_path / "r34.duckdb"))
+    predicted = tmp_path / "r34.duckdb"
+    hits = [query(db, "select sum(hit_tokens) from prefix_lookups")[0][0] for db in (real, predicted)]
+    pre = [query(db, "select count(*) from preemptions")[0][0] for db in (real, predicted)]
+    assert abs(hits[1] - hits[0]) <= 0.05 * hits[0], hits
+    assert abs(pre[1] - pre[0]) <= max(1, 0.05 * pre[0]), pre
+    assert hits[0] < query(recorded_run["db"], "select sum(hit_tokens) from prefix_lookups")[0][0]  # a real change
+
+
+def test_replay_refuses_what_it_cannot_run(recorded_run, tmp_path):
+    session = str(recorded_run["session"])
+    for args, words in ((["-o", session], "the recording itself"),
+                        (["-o", str(tmp_path / "x"), "--num-blocks", "20"], "vLLM would not start"),
+                        (["-o", str(tmp_path / "x"), "--max-num-seqs", "0"], "max_num_seqs 0 is outside")):
+        proc = run_kvtrace("replay", session, *args, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and lines[-1].startswith("kvtrace: error: ") and words in lines[-1], proc.stderr
