@@ -263,6 +263,29 @@ class Corpus:
             self.add(name, ["ingest", s, *extra, "-o", out], [out, Path(f"{out}.wal"), Path(f"{out}.tmp")],
                      whole="rows" if label.endswith("other_pid") else True)
 
+    def foreign_outputs(self) -> None:
+        """`-o` naming a file kvtrace did not write: refused, and left as it was (not among the outputs)."""
+        import duckdb
+
+        d = self.root / "foreign"
+        d.mkdir()
+        made = {}
+        con = duckdb.connect(str(d / "other_tool.duckdb"))
+        con.execute("CREATE TABLE sessions (id INTEGER, who VARCHAR); INSERT INTO sessions VALUES (1, 'x')")
+        con.close()
+        made["other_tool_duckdb"] = d / "other_tool.duckdb"
+        with sqlite3.connect(d / "notes.sqlite") as lite:
+            lite.execute("CREATE TABLE t (a)")
+        made["sqlite"] = d / "notes.sqlite"
+        made["text"] = d / "readme.txt"
+        made["text"].write_text("not a database\n")
+        made["png"] = d / "figure.png"
+        made["png"].write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+        made["empty_dir"] = d / "folder"
+        made["empty_dir"].mkdir()
+        for label, target in made.items():
+            self.add(f"foreign_{label}", ["ingest", self.base, "-o", target], [], kind="foreign")
+
     def shard_bytes(self) -> None:
         for table in ("steps", "block_events", "request_events"):
             src = sorted(self.base_proc.parent.glob(f"*/{table}.*.arrows"))
@@ -411,7 +434,7 @@ class Corpus:
         (self.root / "out").mkdir()
         self.make_base()
         for family in (self.manifest_fields, self.proc_fields, self.json_texts, self.special_files,
-                       self.doubles, self.shard_bytes, self.job_patterns, self.databases, self.datasets, self.nsys):
+                       self.doubles, self.foreign_outputs, self.shard_bytes, self.job_patterns, self.databases, self.datasets, self.nsys):
             family()
         (self.root / "cases.json").write_text(json.dumps({"base_held": self.base_held, "cases": self.cases}))
         return self.cases

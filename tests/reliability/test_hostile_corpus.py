@@ -17,7 +17,7 @@ import pytest
 
 from tests.reliability.hostile import MEMORY_LIMIT_BYTES, REPO, Corpus
 
-FAMILIES = ("manifest", "proc", "json", "special", "double", "shard", "job", "db", "ds", "nsys")
+FAMILIES = ("manifest", "proc", "json", "special", "double", "foreign", "shard", "job", "db", "ds", "nsys")
 
 
 def isolated() -> list[str]:
