@@ -9,6 +9,9 @@ preemption in a 40-block pool) run again through vLLM's own scheduler and KV cac
 
 from __future__ import annotations
 
+import csv
+import json
+
 import pytest
 
 from tests.helpers.run import query, record_workload, run_kvtrace
@@ -77,3 +80,22 @@ def test_replay_refuses_what_it_cannot_run(recorded_run, tmp_path):
         proc = run_kvtrace("replay", session, *args, check=False)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and lines[-1].startswith("kvtrace: error: ") and words in lines[-1], proc.stderr
+
+
+def test_a_sweep_writes_one_session_per_value_a_dataset_a_table_and_a_figure(recorded_run, tmp_path):
+    out = tmp_path / "sweep"
+    proc = run_kvtrace("replay", str(recorded_run["session"]), "--sweep", "num-blocks=34,64", "-o", str(out))
+    assert "num-blocks" in proc.stdout
+    rows = list(csv.DictReader(open(out / "sweep.csv")))
+    assert [int(r["num-blocks"]) for r in rows] == [34, 64]
+    for r in rows:  # each row is what its own session holds
+        (steps, pre), = query(out / "sweep.duckdb", "select (select count(*) from steps s where s.session = $1), "
+                                                    "(select count(*) from preemptions p where p.session = $1)",
+                                [r["session"]])
+        assert (int(r["steps"]), int(r["preemptions"])) == (steps, pre)
+    assert float(rows[1]["hit_rate"]) >= float(rows[0]["hit_rate"])  # a bigger pool keeps more prefixes
+    assert (out / "sweep.png").stat().st_size > 10_000 and (out / "sweep.svg").exists()
+    summary = run_kvtrace("query", "--dataset", str(out / "dataset"), "summary", "--format", "json")
+    assert len(json.loads(summary.stdout)) == 2
+    bad = run_kvtrace("replay", str(recorded_run["session"]), "--sweep", "num-blocks=34", "-o", str(out), check=False)
+    assert bad.returncode == 1 and "not an empty folder" in bad.stderr
