@@ -217,30 +217,14 @@ def install_probes(rec: Any, names: tuple[str, ...] = HOST_PROBES) -> list:
     They are registered with the plugin as in an engine, so `take_pending()` reaches them."""
     from kvtrace.probes import lifecycle
 
-    probes = []
-    for cls in host_probe_classes():
-        if cls.name not in names:
-            continue
-        probe = cls(rec, rec.options)
-        if not probe.install():
-            uninstall_probes(probes)
-            raise RuntimeError(f"probe {cls.name} did not install: {rec.info['probes'].get(cls.name)}")
-        probes.append(probe)
-        lifecycle.install([probe])
-    return probes
+    return lifecycle.install_classes(rec, [cls for cls in host_probe_classes() if cls.name in names])
 
 
 def uninstall_probes(probes: list) -> None:
     """Flush what the probes hold (pending steps, decode rows), then restore every patched target."""
     from kvtrace.probes import lifecycle
 
-    for probe in reversed(probes):
-        if probe in lifecycle._installed:
-            lifecycle._installed.remove(probe)
-        close = getattr(probe, "close", None)
-        if close is not None:
-            close()
-        probe.uninstall()
+    lifecycle.uninstall(probes)
 
 
 def record_driven(session_dir: Any, model: str, cfg: DrivenConfig, scenario: Any,

@@ -27,6 +27,32 @@ def install(probes: list[Any]) -> None:
         atexit.register(close_probes)  # runs before the recorder's own atexit close (LIFO)
 
 
+def install_classes(rec: Any, classes: list[type]) -> list[Any]:
+    """Make and install one probe of each class on recorder `rec` (a process without vLLM's plugin: a
+    replay, the driven-scheduler tests); a RuntimeError naming the first that does not attach, after
+    the ones before it are uninstalled."""
+    probes: list[Any] = []
+    for cls in classes:
+        probe = cls(rec, rec.options)
+        if not probe.install():
+            uninstall(probes)
+            raise RuntimeError(f"probe {cls.name} did not install: {rec.info['probes'].get(cls.name)}")
+        probes.append(probe)
+        install([probe])
+    return probes
+
+
+def uninstall(probes: list[Any]) -> None:
+    """Flush what `probes` hold (pending steps, decode rows), then restore every target they patched."""
+    for probe in reversed(probes):
+        if probe in _installed:
+            _installed.remove(probe)
+        close = getattr(probe, "close", None)
+        if close is not None:
+            close()
+        probe.uninstall()
+
+
 def installed() -> list[Any]:
     """The probes installed in this process."""
     return list(_installed)

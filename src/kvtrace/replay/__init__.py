@@ -92,12 +92,10 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
     probes = []
     ctx.step, ctx.request_id, ctx.connector = 0, None, None
     try:
-        for cls in (SchedulerProbe, BlockPoolProbe, PrefixCacheProbe):
-            probe = cls(rec, rec.options)
-            if not probe.install():
-                raise KvtraceError(f"replay: probe {cls.name} did not install: {rec.info['probes'].get(cls.name)}")
-            probes.append(probe)
-            lifecycle.install([probe])
+        try:
+            probes = lifecycle.install_classes(rec, [SchedulerProbe, BlockPoolProbe, PrefixCacheProbe])
+        except RuntimeError as exc:  # this vLLM lacks what a replay records with
+            raise KvtraceError(f"replay: {exc}") from None
         engine = ReplayEngine(str(ensure_tiny_model()), s)
         pending, i, n = w.requests, 0, len(w.requests)
         while i < n or engine.has_work():
@@ -115,13 +113,7 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
         if progress:
             print(file=sys.stderr)
     finally:
-        for probe in reversed(probes):
-            if probe in lifecycle._installed:
-                lifecycle._installed.remove(probe)
-            close = getattr(probe, "close", None)
-            if close is not None:
-                close()
-            probe.uninstall()
+        lifecycle.uninstall(probes)
         rec.close()
     finalize_session(out, 0)
     return {"session_dir": str(out), "requests": n, "steps": engine.steps, "skipped": w.skipped,
