@@ -128,3 +128,26 @@ def test_ingest_keeps_the_pools_apart(offload_run, tmp_path):
     (gpu_max, cpu_rows), = query(db, "select (select max(block_id) from block_events), "
                                      "(select count(*) from offload_block_events)")
     assert gpu_max < GPU_BLOCKS and cpu_rows > 0
+
+
+def test_each_other_pool_keeps_one_log_when_calls_alternate(tmp_path):
+    """The main log remembers only the last pool it routed; calls alternating between two other pools
+    (an offload tier's and a connector's lookup pool) still give each pool one log, one name."""
+    from kvtrace.probes.vllm.kv_blocks import BlockPoolProbe
+    from kvtrace.record.recorder import Recorder
+
+    class Pool:  # any object the log can hold weakly
+        pass
+
+    rec = Recorder(tmp_path / "s", "engine", {})
+    probe = BlockPoolProbe(rec, rec.options)
+    assert probe.install()
+    try:
+        gpu, cpu, lookup = Pool(), Pool(), Pool()
+        probe.log.main_pool = gpu
+        logs = [probe.log.for_pool(p) for p in (cpu, lookup, cpu, lookup, gpu)]
+        assert logs[0] is logs[2] and logs[1] is logs[3] and logs[0] is not logs[1] and logs[4] is probe.log
+        assert [name for name, _ in probe.pool_logs] == ["unnamed-1", "unnamed-2"]
+    finally:
+        probe.uninstall()
+        rec.close()

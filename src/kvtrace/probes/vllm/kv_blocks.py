@@ -216,7 +216,9 @@ class BlockPoolProbe(Probe):
                 self.patch(BlockPool, name, lambda _orig, hook=hook: hook)
                 del bodies[name]
         patch_exact(self, BlockPool, bodies, env)
+        self.hash_attr = hash_attr
         self.pool_logs: list[tuple[str, Any]] = []  # (pool name, its BlockLog), pools other than the engine's
+        self._log_of: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # pool -> its BlockLog
         if self.variant("pools") is not None:
             from vllm.v1.core.kv_cache_manager import KVCacheManager
 
@@ -225,9 +227,13 @@ class BlockPoolProbe(Probe):
                         {"probe": self, "log": log})
 
     def pool_log(self, pool: Any) -> Any:
-        """The BlockLog of a pool other than the engine's (called by the main log on its first row)."""
+        """The BlockLog of a pool other than the engine's, made on its first row. The main log keeps only
+        the last pool it routed, so calls alternating between two other pools ask again: one log each."""
+        log = self._log_of.get(pool)
+        if log is not None:
+            return log
         name = POOL_NAMES.get(pool) or f"unnamed-{len(self.pool_logs) + 1}"
-        log = block_log(hash_attr=hash_attribute())
+        log = self._log_of[pool] = block_log(hash_attr=self.hash_attr)
         self.pool_logs.append((name, log))
         self.rec.info.setdefault("block_pools", []).append(
             {"pool": name, "class": type(pool).__qualname__, "num_blocks": getattr(pool, "num_gpu_blocks", None)})
