@@ -8,8 +8,9 @@ model is missing: each step's `ModelRunnerOutput` is made up, one sampled token 
 that finished its prompt (a partial prefill chunk samples nothing, as in the real model runner).
 
 The `VllmConfig` comes from `EngineArgs(model=<tiny model dir>).create_engine_config()`, like a real
-engine's; the `KVCacheConfig` is one full-attention group shaped like the tiny model's layers (the worker
-would report the same spec), with `num_blocks` blocks (block 0 is vLLM's null block).
+engine's; the Scheduler is built as `kvtrace replay` builds its own (`kvtrace.replay.engine.build_scheduler`:
+one full-attention group shaped like the tiny model's layers, as the worker would report it, with
+`num_blocks` blocks; block 0 is vLLM's null block).
 """
 
 from __future__ import annotations
@@ -73,36 +74,14 @@ class DrivenScheduler:
     """One Scheduler + KV cache manager; `add()` requests, `step()` to run one engine step."""
 
     def __init__(self, model: str, cfg: DrivenConfig | None = None, keep_stats: bool = False):
-        import torch
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.structured_output import StructuredOutputManager
+        from kvtrace.replay.engine import build_scheduler
 
         self.cfg = cfg = cfg or DrivenConfig()
-        self.config = config = vllm_config(model, cfg)
-        hf = config.model_config.hf_config
-        spec = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=hf.num_key_value_heads,
-                                 head_size=hf.hidden_size // hf.num_attention_heads, dtype=torch.float32)
-        layers = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
-        tensors = []
-        if cfg.cpu_offload_bytes is not None:  # the connector sizes its CPU pool from the GPU tensors
-            from vllm.v1.kv_cache_interface import KVCacheTensor
-
-            page = spec.page_size_bytes  # one layer-outermost allocation, as the worker would report it
-            tensors = [KVCacheTensor(size=page * cfg.num_blocks * len(layers), layers=layers,
-                                     layer_stride=page * cfg.num_blocks, block_stride=page, offset=0)]
-        kv_cache_config = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=tensors,
-                                        kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
-        kv_cache_config.hash_block_size = cfg.block_size
-        self.sched = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
-                               structured_output_manager=StructuredOutputManager(config),
-                               block_size=cfg.block_size, hash_block_size=cfg.block_size,
-                               log_stats=cfg.log_stats)
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        self.block_hasher = get_request_block_hasher(cfg.block_size, hash_fn)
+        self.config = vllm_config(model, cfg)
+        # With the offload connector, the worker's tensors too: it sizes its CPU pool from them.
+        self.sched, self.block_hasher = build_scheduler(self.config, cfg.block_size, cfg.num_blocks,
+                                                        with_tensors=cfg.cpu_offload_bytes is not None,
+                                                        log_stats=cfg.log_stats)
         self.outputs: Any = {}  # EngineCoreOutputs of the last step, by client
         self.transfers = {"stored_blocks": 0, "loaded_blocks": 0}  # what the offload "worker" moved
         self.steps = 0

@@ -67,8 +67,9 @@ def check_settings(s: SchedulerSettings, where: str) -> None:
 
 
 def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, Any] | None = None,
-           progress: bool = False) -> dict[str, Any]:
-    """Replay the recording at `session_dir` into a new session at `out_dir`; returns a short report."""
+           progress: bool = False, workload: Workload | None = None) -> dict[str, Any]:
+    """Replay the recording at `session_dir` into a new session at `out_dir`; returns a short report.
+    `workload`: the recording's, when the caller has read it already (a sweep replays it many times)."""
     from kvtrace.demo.model import ensure_tiny_model
     from kvtrace.probes import lifecycle
     from kvtrace.probes.vllm.kv_blocks import BlockPoolProbe, PrefixCacheProbe
@@ -79,7 +80,7 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
 
     if Path(out_dir).resolve() == Path(session_dir).resolve():
         raise KvtraceError(f"{out_dir}: the recording itself; write the replay to another directory")
-    w = read_workload(session_dir)
+    w = workload if workload is not None else read_workload(session_dir)
     s = settings_for(w, overrides or {})
     check_settings(s, f"{session_dir}")
     too_long = [r.request_id for r in w.requests if r.prompt_tokens + r.output_tokens > s.max_model_len]

@@ -31,15 +31,42 @@ class SchedulerSettings:
     enable_prefix_caching: bool = True
 
 
+def build_scheduler(config: Any, block_size: int, num_blocks: int, with_tensors: bool = False,
+                    log_stats: bool = True) -> tuple[Any, Any]:
+    """(vLLM's Scheduler for `config`, the block hasher its requests need), with a KVCacheConfig of one
+    full-attention group shaped like the config's model, as a worker would report it. `with_tensors`:
+    describe the worker's allocation too (connectors that size their own pools from it need it)."""
+    import torch
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config.cache_config.num_gpu_blocks = num_blocks  # what EngineCore sets once workers report
+    hf = config.model_config.hf_config
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=hf.num_key_value_heads,
+                             head_size=hf.hidden_size // hf.num_attention_heads, dtype=torch.float32)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
+    tensors = []
+    if with_tensors:  # one layer-outermost allocation
+        page = spec.page_size_bytes
+        tensors = [KVCacheTensor(size=page * num_blocks * len(layers), layers=layers,
+                                 layer_stride=page * num_blocks, block_stride=page, offset=0)]
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
+                                    kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    kv_cache_config.hash_block_size = block_size
+    sched = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                      structured_output_manager=StructuredOutputManager(config),
+                      block_size=block_size, hash_block_size=block_size, log_stats=log_stats)
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return sched, get_request_block_hasher(block_size, hash_fn)
+
+
 class ReplayEngine:
     def __init__(self, model_dir: str, s: SchedulerSettings):
-        import torch
         from vllm.engine.arg_utils import EngineArgs
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.structured_output import StructuredOutputManager
 
         # The tiny model's config says 4,096 positions; the recorded model's max_model_len may be longer.
         # No model runs here, so vLLM's check of positions against the weights does not apply.
@@ -54,20 +81,7 @@ class ReplayEngine:
             why = " ".join(str(exc).split())
             why = why.split("Value error, ")[-1][:240]
             raise KvtraceError(f"vLLM refuses these scheduler settings ({vars(s)}): {why}") from None
-        config.cache_config.num_gpu_blocks = s.num_blocks  # what EngineCore sets once workers report
-        hf = config.model_config.hf_config
-        spec = FullAttentionSpec(block_size=s.block_size, num_kv_heads=hf.num_key_value_heads,
-                                 head_size=hf.hidden_size // hf.num_attention_heads, dtype=torch.float32)
-        layers = [f"model.layers.{i}.self_attn.attn" for i in range(hf.num_hidden_layers)]
-        kv_cache_config = KVCacheConfig(num_blocks=s.num_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
-        kv_cache_config.hash_block_size = s.block_size
-        self.sched = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
-                               structured_output_manager=StructuredOutputManager(config),
-                               block_size=s.block_size, hash_block_size=s.block_size, log_stats=True)
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        self.block_hasher = get_request_block_hasher(s.block_size, hash_fn)
+        self.sched, self.block_hasher = build_scheduler(config, s.block_size, s.num_blocks)
         self.sequences: dict[str, list[int]] = {}  # request -> prompt + output tokens
         self.prompt_len: dict[str, int] = {}
         self.steps = 0

@@ -54,19 +54,20 @@ def sweep(session_dir: str | Path, out_dir: str | Path, spec: str, overrides: di
           progress: bool = False) -> dict[str, Any]:
     from kvtrace.export.dataset import export_parquet
     from kvtrace.ingest import ingest
-    from kvtrace.replay import replay
+    from kvtrace.replay import read_workload, replay
     from kvtrace.store.db import open_db
 
     name, attr, points = parse_sweep(spec)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise KvtraceError(f"{out}: exists and is not an empty folder; a sweep writes a folder of its own")
+    workload = read_workload(session_dir)  # once: every point replays the same requests
     out.mkdir(parents=True, exist_ok=True)
     sessions: dict[str, int] = {}  # session directory -> swept value
     for i, v in enumerate(points):
         if progress:
             print(f"replay: {name}={v} ({i + 1}/{len(points)})", file=sys.stderr)
-        r = replay(session_dir, out / f"{name}={v}", {**(overrides or {}), attr: v})
+        r = replay(session_dir, out / f"{name}={v}", {**(overrides or {}), attr: v}, workload=workload)
         sessions[r["session_dir"]] = v
     db = out / "sweep.duckdb"
     reports = ingest(list(sessions), db)
