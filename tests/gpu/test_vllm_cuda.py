@@ -182,7 +182,9 @@ def test_cpu_offload_keeps_its_pool_apart(model, tmp_path):
     """vLLM's SimpleCPUOffloadConnector on the GPU (its worker copies with CUDA): the CPU tier's BlockPool
     numbers its blocks from 0 like the GPU's, so its calls must land in offload_block_events under the
     pool's name, never in block_events; the GPU blocks it held while storing are released by the end;
-    its worker's transfers are recorded; vLLM's own counters still match."""
+    the blocks its worker copied to the CPU equal the blocks its CPU pool handed out; vLLM's own counters
+    still match. The same workload recorded without the connector is then put beside it with
+    `kvtrace compare` (table and figures kept in $KVTRACE_GPU_OUT)."""
     name = "v2-default-cpu-offload"
     args = {"kv_transfer_config": {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                                    "kv_connector_extra_config": {"cpu_bytes_to_use": 256 << 20}}}
@@ -190,23 +192,69 @@ def test_cpu_offload_keeps_its_pool_apart(model, tmp_path):
     con = duckdb.connect(str(run["db"]), read_only=True)
     try:
         pools = con.execute("select pool, count(*), max(block_id) from offload_block_events group by 1").fetchall()
+        (cpu_allocated,), = con.execute("select count(*) from offload_block_events where event = 'alloc'").fetchall()
         (gpu_blocks,), = con.execute("select num_kv_blocks from sessions").fetchall()
         (gpu_max,), = con.execute("select max(block_id) from block_events").fetchall()
         holds = dict(con.execute("select event, count(*) from block_events where event in ('hold', 'release') "
                                  "group by 1").fetchall())
-        transfers = con.execute("select connector, direction, count(*) from transfers group by 1, 2 order by 1, 2"
-                                ).fetchall()
+        transfers = con.execute("select connector, method, direction, count(*), sum(tokens), sum(bytes) "
+                                "from transfers group by all order by all").fetchall()
+        (stored_tokens,), = con.execute("select coalesce(sum(tokens), 0) from transfers where method = "
+                                        "'get_finished' and direction = 'save' and tokens is not null").fetchall()
     finally:
         con.close()
     row = summary(run["db"])
     note(name, {**row, "pools": pools, "gpu_blocks": gpu_blocks, "gpu_max": gpu_max, "holds": holds,
-                "transfers": transfers, "vllm": run["metrics"]["vllm"]})
+                "transfers": transfers, "cpu_allocated": cpu_allocated, "stored_tokens": stored_tokens,
+                "vllm": run["metrics"]["vllm"]})
+    plain = record(tmp_path, "v2-default-plain", model, {}, {}, ["--kv-granularity", "off"])
+    out = (OUT or tmp_path) / "offload-compare"
+    cmp = subprocess.run([sys.executable, "-m", "kvtrace", "compare", str(plain["db"]), str(run["db"]), "-o",
+                          str(out), "--format", "csv"], capture_output=True, text=True, timeout=300)
+    if OUT is not None:
+        (OUT / "offload-compare.csv").write_text(cmp.stdout + cmp.stderr)
+        shutil.make_archive(str(OUT / "offload-compare"), "gztar", root_dir=str(out))
+        shutil.rmtree(out)
     assert row["status"] == "complete" and row["requests"] == 18, row
     assert [p[0] for p in pools] == ["SimpleCPUOffloadConnector.scheduler_manager.cpu_block_pool"], pools
     assert gpu_max <= gpu_blocks, (gpu_max, gpu_blocks)  # num_kv_blocks: usable blocks (the null block is 0)
     assert holds.get("hold", 0) > 0, holds
-    assert any(t[0] == "SimpleCPUOffloadConnector" and t[1] in ("save", "load") for t in transfers), transfers
+    assert cpu_allocated > 0 and stored_tokens == cpu_allocated * BLOCK, (stored_tokens, cpu_allocated, transfers)
     assert row["preemptions"] == run["metrics"]["vllm"]["num_preemptions"]
+    assert cmp.returncode == 0, cmp.stderr[-3000:]
+
+
+def test_tensor_parallel_ranks_join_the_same_steps(model, tmp_path):
+    """`--tensor-parallel-size 2`: each worker records its own KV access rows under its rank, each rank's
+    records are exactly its block tables' (every layer of every step), and both ranks' rows join to the
+    same engine steps; the engine's counters still equal vLLM's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    name = "v2-default-tp2"
+    run = record(tmp_path, name, model, {"tensor_parallel_size": 2, "attention_config": {"backend": "FLASH_ATTN"}},
+                 {}, ["--kv-granularity", "blocks", "--kv-layers", "all"])
+    row = summary(run["db"])
+    con = duckdb.connect(str(run["db"]), read_only=True)
+    try:
+        procs = con.execute("select role, rank, status from procs order by 1, 2").fetchall()
+        per_rank = dict(con.execute("select rank, count(*) from kv_access group by 1").fetchall())
+        timing_ranks = [r[0] for r in con.execute("select distinct rank from layer_timings order by 1").fetchall()]
+        (orphans,), = con.execute("select count(*) from kv_access a anti join steps s on a.step = s.step").fetchall()
+        step_sets = con.execute("select rank, count(distinct step) from kv_access group by 1 order by 1").fetchall()
+        (both,), = con.execute("select count(*) from (select step from kv_access group by step "
+                               "having count(distinct rank) = 2)").fetchall()
+        expected = expected_records(con, BLOCK, LAYERS)
+        checked = {r: check_reads_and_writes(con, BLOCK, list(range(LAYERS)), rank=r) for r in per_rank}
+    finally:
+        con.close()
+    note(name, {**row, "procs": procs, "per_rank": per_rank, "expected_per_rank": expected,
+                "step_sets": step_sets, "steps_with_both": both, "checked": checked, "vllm": run["metrics"]["vllm"]})
+    assert row["status"] == "complete" and row["requests"] == 18 and row["dropped_events"] == 0, row
+    assert row["preemptions"] == run["metrics"]["vllm"]["num_preemptions"]
+    assert sorted(per_rank) == [0, 1] and timing_ranks == [0, 1], (per_rank, timing_ranks)
+    assert per_rank[0] == per_rank[1] == expected, (per_rank, expected)
+    assert orphans == 0 and step_sets[0][1] == step_sets[1][1] == both > 0, (orphans, step_sets, both)
+    assert all(n > 100 for n in checked.values()), checked
 
 
 def teardown_module(module) -> None:

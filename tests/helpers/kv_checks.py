@@ -41,16 +41,19 @@ def tables_by_step(con) -> dict[tuple[int, str], list[int]]:
     return snapshots
 
 
-def check_reads_and_writes(con, block_size: int, layers: list[int]) -> int:
+def check_reads_and_writes(con, block_size: int, layers: list[int], rank: int | None = None) -> int:
     """Assert that for every scheduled (step, request) and every layer in `layers`, the blocks read are
     the first ceil(seq_len / block_size) blocks of its table and the tokens written are the ones
-    scheduled that step, and that nothing is recorded for what was not scheduled. Returns the number
+    scheduled that step, and that nothing is recorded for what was not scheduled. `rank`: only that
+    worker's records (tensor parallel ranks each record the whole block table). Returns the number
     of (step, request, layer) checked."""
     tables = tables_by_step(con)
     sched = con.execute("select step, request_id, computed_before, tokens from step_requests").fetchall()
-    access = con.execute("""select step, layer, request_id, op, block_id, token_offset, token_count
-                            from kv_access""").fetchall()
-    (unnamed,), = con.execute("select count(*) from kv_access where request_id is null").fetchall()
+    where, params = ("where rank = ?", [rank]) if rank is not None else ("", [])
+    access = con.execute(f"""select step, layer, request_id, op, block_id, token_offset, token_count
+                             from kv_access {where}""", params).fetchall()
+    (unnamed,), = con.execute(f"select count(*) from kv_access {where or 'where true'} and request_id is null",
+                              params).fetchall()
     assert unnamed == 0, "every record is attributed to a request through batch_slots"
     got_reads: dict[tuple, set] = defaultdict(set)
     got_writes: dict[tuple, dict] = defaultdict(lambda: defaultdict(int))

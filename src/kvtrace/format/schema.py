@@ -165,7 +165,8 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("method", s, "", "connector method called"),
         _c("direction", s, "",
            "save, load, match, alloc, finish, other; get_finished rows mark completions (save = send "
-           "done, load = receive done, bytes null)"),
+           "done, load = receive done, bytes null), and for a connector whose metadata lists whole blocks "
+           "(SimpleCPUOffloadConnector) the copies that call launched (bytes and tokens set)"),
         _c("request_id", s, "", "request, when the call is per request"),
         _c("layer", s, "", "layer name, when the call is per layer"),
         _c("bytes", i64, "bytes", "bytes of KV moved (save_kv_layer: the layer's slots of the step)"),

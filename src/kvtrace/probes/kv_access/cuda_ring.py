@@ -10,8 +10,10 @@ Hot path (inference thread), per call:
     captured (overlap=True) the launch goes to a side stream forked from the current one and joined at the
     next layer, so the replayed kernel runs beside attention rather than between two kernels.
   - `begin_step`: one 1-thread `kv_set_state` launch (step id and sampling flag into device memory, head
-    snapshot), then `drain`: an event on the inference stream, a 64-byte copy of the snapshot into pinned
-    memory on a side stream that waits for that event, a queue put.
+    snapshot), then, every 100 ms or sooner when the ring may be a quarter full (`_drain_due`), `drain`: an
+    event on the inference stream, a 64-byte copy of the snapshot into pinned memory on a side stream that
+    waits for that event, a queue put. Each drain has a fixed cost on both threads (copies, a record batch,
+    GIL hand-overs), so a fast small model draining every step paid it ~100 times a second.
 Background thread: waits for the snapshot copy (polling the event, no spinning core), copies the records
 between the last drained position and the snapshot into pinned staging on a copy stream, reads the live head
 again to find records overwritten meanwhile, decodes with NumPy and hands the rows to the recorder; every
@@ -198,6 +200,8 @@ class CudaKVAccessRing(KVAccessRing):
         self._anchors: list[tuple[int, int]] = []  # (device_ns, monotonic_ns)
         self._fit = (0, 0, 1.0)                    # (device ref, host ref, host ns per device ns)
         self._queue: queue.Queue = queue.Queue()
+        self._steps_since_drain, self._drain_steps, self._drained_at = 0, 1, time.monotonic()
+        self._rate_mark: tuple[int, int, int] | None = None  # (step, head, timing head) at the last drain
         self._thread: threading.Thread | None = None
         self._warned_capture = False
         self._take_anchor()
@@ -219,8 +223,28 @@ class CudaKVAccessRing(KVAccessRing):
         a.step, a.active, a.set = self.step, int(self.active), 1
         self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
                             self._state_launch.params_addr, 0)
-        if self.auto_drain:
+        if self.auto_drain and self._drain_due():
             self.drain()
+
+    # Drain at most this often, unless the ring may fill: the device head is unknown on the host without a
+    # sync, so the background thread estimates records per step from each drain it makes and sets how
+    # many steps fill a quarter of either ring (`_drain_steps`, 1 until the first drain says).
+    DRAIN_EVERY_S = 0.1
+
+    def _drain_due(self) -> bool:
+        self._steps_since_drain += 1
+        return (self._steps_since_drain >= self._drain_steps
+                or time.monotonic() - self._drained_at >= self.DRAIN_EVERY_S)
+
+    def _learn_rate(self, snap: Any, heads: tuple[int, int]) -> None:
+        """Steps that fill a quarter of the record or timing ring at the rate of the last drain."""
+        step = int(snap[ST_STEP])
+        prev, self._rate_mark = self._rate_mark, (step, *heads)
+        if prev is None or step <= prev[0]:
+            return
+        steps = step - prev[0]
+        per_step = max((heads[0] - prev[1]) / (self.capacity // 4), (heads[1] - prev[2]) / (self.timing_capacity // 4))
+        self._drain_steps = max(1, min(1 << 20, int(steps / per_step))) if per_step > 0 else 1 << 20
 
     def record_layer(self, layer_idx: int, slot_mapping, block_table, seq_lens, query_start_loc=None) -> None:
         capturing = None
@@ -314,6 +338,7 @@ class CudaKVAccessRing(KVAccessRing):
         if self.closed or self._capturing():
             return
         self._start_thread()
+        self._steps_since_drain, self._drained_at = 0, time.monotonic()
         rt, side = self._rt, self._snap_stream_ptr
         slot = self._snap_count % NSNAP
         self._snap_count += 1
@@ -392,6 +417,7 @@ class CudaKVAccessRing(KVAccessRing):
                     self._wait(done)
                     snap = self._snap_host[slot].numpy()
                     heads = int(snap[ST_SNAP_REC]), int(snap[ST_SNAP_TIM])
+                    self._learn_rate(snap, heads)
                     t0 = time.perf_counter()
                     self._drain_to(*heads)
                     self.stats["drain_s"] += time.perf_counter() - t0

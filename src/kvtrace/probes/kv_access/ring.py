@@ -27,8 +27,9 @@ needed). Arguments:
                    per-row Python tuples. None: the process's `get_recorder()`; if that is None too,
                    rows are decoded, counted in `stats` and discarded (`NullRecorder`).
   timing_capacity  timing records the device keeps between drains (power of two).
-  auto_drain       `begin_step` drains by itself: the GPU ring every step (an asynchronous copy), the CPU
-                   ring every 100 ms or when a ring is a quarter full (decoding has a fixed cost per call).
+  auto_drain       `begin_step` drains by itself, every 100 ms or when a ring may be a quarter full (a drain
+                   has a fixed cost per call); the GPU ring's drain is an asynchronous copy, and the host
+                   estimates its fill from the records per step of earlier drains.
   overlap          GPU, CUDA graphs (default True): while a graph is captured, each layer's record kernel is
                    forked onto a side stream and joined at the next layer, so in the graph it runs beside
                    attention instead of between kernels (measured on an H100: +0.38% -> +0.01% of a decode step). The

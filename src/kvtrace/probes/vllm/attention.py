@@ -265,12 +265,16 @@ class AttentionProbe(Probe):
 
         block_size = runner.cache_config.block_size
         capacity = int(self.options.get("kv_ring_capacity", 1 << 20))
-        return make_ring(runner.device, capacity=capacity, block_size=block_size,
+        ring = make_ring(runner.device, capacity=capacity, block_size=block_size,
                          granularity=granularity, layers=layers, sample_every=sample_every,
                          recorder=self.rec,
                          # CUDA only: run record kernels beside attention inside captured graphs
                          # (docs/device-ring.md); {"kv_overlap": false} keeps them inline.
                          overlap=bool(self.options.get("kv_overlap", True)))
+        if "kv_drain_interval_s" in self.options and hasattr(ring, "DRAIN_EVERY_S"):
+            # CUDA ring, experts and benchmarks: {"kv_drain_interval_s": 0} drains every step
+            ring.DRAIN_EVERY_S = float(self.options["kv_drain_interval_s"])
+        return ring
 
     def close(self) -> None:
         if self.ring is not None:

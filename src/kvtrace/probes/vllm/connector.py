@@ -47,7 +47,7 @@ WORKER_METHODS = ("bind_connector_metadata", "start_load_kv", "wait_for_layer_lo
 class _Conn:
     """What the probe knows about one connector instance."""
 
-    __slots__ = ("name", "block_size", "num_blocks", "token_bytes", "layers", "kvm", "plan", "lookups",
+    __slots__ = ("name", "block_size", "num_blocks", "token_bytes", "layers", "kvm", "plan", "flat", "lookups",
                  "in_finish")
 
     def __init__(self, conn: Any, config: Any, kv_cache_config: Any):
@@ -58,6 +58,9 @@ class _Conn:
         self.layers = list(self.token_bytes)
         self.kvm = None  # the scheduler's KVCacheManager, once bind_kv_cache_manager is called
         self.plan: list[tuple] | None = None  # bound metadata: [(request_id, is_store, slots)] or None
+        # Bound metadata that lists whole blocks to copy (SimpleCPUOffloadConnector's), until the call
+        # that launches the copies: [(direction, request_id or None, blocks)]
+        self.flat: list[tuple] | None = None
         self.lookups: dict[str, int] = {}  # request -> ts of its connector lookup, until admitted
         self.in_finish = False
 
@@ -318,7 +321,11 @@ class ConnectorProbe(Probe):
         def wrapper(*args, **kwargs):
             if self.enabled:
                 try:
-                    state.plan = self.request_plan(state, _arg(args, kwargs, 0, "connector_metadata"))
+                    meta = _arg(args, kwargs, 0, "connector_metadata")
+                    state.plan = self.request_plan(state, meta)
+                    flat = block_lists(meta)
+                    if flat:  # kept until get_finished launches them (a step may bind twice)
+                        state.flat = (state.flat or []) + flat
                 except Exception as exc:
                     state.plan = None
                     self.fail(exc)
@@ -413,6 +420,12 @@ class ConnectorProbe(Probe):
     def _done_rows(self, t0, t1, state, name, sending, recving) -> None:
         step = self.worker_step
         n = 0
+        flat, state.flat = state.flat, None
+        for direction, rid, blocks in flat or ():  # the copies this call launched (they run on)
+            n += 1
+            tokens = blocks * state.block_size
+            self._row(t0, t1, step, state, name, direction, rid, None,
+                      tokens * sum(state.token_bytes.values()) if state.token_bytes else None, tokens)
         for direction, ids in (("save", sending), ("load", recving)):
             for rid in ids or ():
                 n += 1
@@ -436,6 +449,23 @@ class ConnectorProbe(Probe):
                                 getattr(result, "finished_recving", None))
             return self._call(method, record, args, kwargs)
         return wrapper
+
+
+def block_lists(meta: Any) -> list[tuple] | None:
+    """[(direction, request_id or None, blocks)] for metadata that lists the GPU blocks to store and to
+    load (SimpleCPUOffloadConnector's `store_gpu_blocks` / `load_gpu_blocks`, copied when the worker's
+    `get_finished` runs); None for any other metadata. A load names its request when it is one
+    request's; stores name none (the worker is never told whose blocks they are)."""
+    store, load = getattr(meta, "store_gpu_blocks", None), getattr(meta, "load_gpu_blocks", None)
+    if not isinstance(store, (list, tuple)) or not isinstance(load, (list, tuple)):
+        return None
+    out = []
+    if store:
+        out.append(("save", None, len(store)))
+    if load:
+        reqs = (getattr(meta, "load_event_to_reqs", None) or {}).get(getattr(meta, "load_event", None)) or []
+        out.append(("load", str(reqs[0]) if len(reqs) == 1 else None, len(load)))
+    return out
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
