@@ -203,9 +203,15 @@ def report(shape: str, runs: dict[str, list[dict]], args) -> list[str]:
             if run.get("record_says"):
                 procs = run.get("procs", [])
                 hot = ",".join(sorted({str(p.get("hot_path")) for p in procs}))
-                kv = sum(p.get("rows_written", {}).get("kv_access", 0) for p in procs)
-                lines.append(f"  {v} round {i}: session {run.get('session_mb', 0):.1f} MB, {kv} kv_access rows, "
-                             f"row logs {hot}; " + " | ".join(run["record_says"])[:600])
+                rings = [val for p in procs for key, val in p.items() if key.startswith("kv_ring_")
+                         and isinstance(val, dict)]
+                kv = sum(r.get("kv_rows", 0) for r in rings)
+                lost = sum(r.get("kv_dropped", 0) for r in rings)
+                drains = sum(r.get("drains", 0) for r in rings)
+                drain_s = sum(r.get("drain_s", 0.0) for r in rings)
+                lines.append(f"  {v} round {i}: session {run.get('session_mb', 0):.1f} MB, {kv} KV access records "
+                             f"kept, {lost} lost, {drains} drains ({drain_s:.2f} s); row logs {hot}; "
+                             + " | ".join(run["record_says"])[:600])
     return lines
 
 

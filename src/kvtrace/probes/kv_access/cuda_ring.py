@@ -355,14 +355,19 @@ class CudaKVAccessRing(KVAccessRing):
             return
         if self._capturing():
             raise RuntimeError("KVAccessRing.flush during CUDA graph capture")
-        a = self._state_args
-        a.set = 0  # snapshot only: the heads as of now, on the inference stream
-        self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
-                            self._state_launch.params_addr, 0)
-        ack = threading.Event()
-        self.drain(_ack=ack)
+        # The ring's own device current: a flush at exit (atexit, engine shutdown) may run in a thread
+        # whose current device is another (a tensor-parallel worker on cuda:1 found cuda:0's context
+        # there, and the launch failed with an invalid context).
+        with self._torch.cuda.device(self.index):
+            a = self._state_args
+            a.set = 0  # snapshot only: the heads as of now, on the inference stream
+            self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
+                                self._state_launch.params_addr, 0)
+            ack = threading.Event()
+            self.drain(_ack=ack)
         if not ack.wait(timeout_s):
             self._warn(f"KVAccessRing.flush: background drain did not finish in {timeout_s} s")
+            self._lost_uncounted(f"its flush did not finish in {timeout_s} s")
 
     def close(self) -> None:
         if self.closed:
@@ -371,6 +376,7 @@ class CudaKVAccessRing(KVAccessRing):
             self.flush()
         except Exception as exc:  # at interpreter exit CUDA may already be gone
             self._warn(f"KVAccessRing.close: final flush failed: {exc}")
+            self._lost_uncounted(f"its final flush failed ({str(exc)[:200]})")
         self.closed = True
         self.active = False
         if self._thread is not None:
@@ -380,6 +386,10 @@ class CudaKVAccessRing(KVAccessRing):
             self._take_anchor()
         except Exception:
             pass
+        set_info = getattr(self.recorder, "set_info", None)
+        if set_info is not None:  # proc.json: what the ring kept, lost and spent (benchmarks read it)
+            set_info(f"kv_ring_{self.source}", {k: round(v, 6) if isinstance(v, float) else v
+                                               for k, v in self.stats.items()})
 
     # ---- background thread -----------------------------------------------------------------------------
     def _start_thread(self) -> None:
@@ -421,6 +431,7 @@ class CudaKVAccessRing(KVAccessRing):
                     t0 = time.perf_counter()
                     self._drain_to(*heads)
                     self.stats["drain_s"] += time.perf_counter() - t0
+                    self.stats["drains"] = self.stats.get("drains", 0) + 1
                 if time.monotonic() >= next_anchor:
                     self._take_anchor()
                     next_anchor = time.monotonic() + self.anchor_interval_s

@@ -345,6 +345,17 @@ class KVAccessRing:
             self.stats["timing_dropped" if timing else "kv_dropped"] += int(dropped)
             self.recorder.count_drop(table, int(dropped), "ring-wrap")
 
+    # The probe whose status says when records were lost without a count (kvtrace's attention probe).
+    probe = "attention"
+
+    def _lost_uncounted(self, why: str) -> None:
+        """Records recorded on the device but never drained, how many unknown: not a countable drop, so
+        the probe is `degraded` with the reason (a session that lost them is never `complete`)."""
+        set_status = getattr(self.recorder, "set_probe_status", None)
+        if set_status is not None:
+            set_status(self.probe, "degraded", f"KV access ring on {self.source}: {why}; records made "
+                       "since its last drain are lost and not counted")
+
     def _warn(self, message: str) -> None:
         warn = getattr(self.recorder, "warn", None)
         if warn is not None:
