@@ -52,8 +52,8 @@ VARIANTS = {
     "host-only": ["--kv-granularity", "off"],  # the host probes alone: no attention probe, no ring
     "default": [],
     "all-layers": ["--kv-granularity", "blocks", "--kv-layers", "all"],
-    # the default granularity with the device ring drained every step, as it was before it drained
-    # every 100 ms (or when it may be a quarter full)
+    # the default granularity with the device ring drained every step, instead of every 100 ms (or
+    # sooner when it may be a quarter full)
     "default-drain-each-step": ["--options-json", '{"kv_drain_interval_s": 0}'],
 }
 

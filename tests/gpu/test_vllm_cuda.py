@@ -101,6 +101,8 @@ def record(tmp: Path, name: str, model: str, engine_args: dict, env: dict, recor
     ingest = subprocess.run([sys.executable, "-m", "kvtrace", "ingest", str(session), "-o", str(db)],
                             capture_output=True, text=True, env=full_env, timeout=300)
     assert ingest.returncode == 0, ingest.stderr[-4000:]
+    if OUT is not None:  # kept before any check, so a failing case can be read back
+        shutil.copy(db, OUT / "logs" / f"{name}.duckdb")
     return {"session": session, "db": db, "metrics": json.loads(metrics.read_text()), "log": log}
 
 
@@ -140,8 +142,6 @@ def test_recorded_run_is_exact(name, engine_args, env, model, tmp_path):
         con.close()
     note(name, {**row, "vllm": vllm_counts, "probes": probes, "layers": layers, "checked": checked,
                 "records": records, "expected_records": expected, "lookups": lookups, "vllm_reported": reported})
-    if OUT is not None:
-        shutil.copy(run["db"], OUT / "logs" / f"{name}.duckdb")
     assert row["status"] == "complete", (row, probes)
     assert row["requests"] == 18 and row["dropped_events"] == 0, row
     if engine_args.get("async_scheduling"):  # vLLM's counters may miss lookups here (see CASES)
@@ -182,8 +182,8 @@ def test_cpu_offload_keeps_its_pool_apart(model, tmp_path):
     """vLLM's SimpleCPUOffloadConnector on the GPU (its worker copies with CUDA): the CPU tier's BlockPool
     numbers its blocks from 0 like the GPU's, so its calls must land in offload_block_events under the
     pool's name, never in block_events; the GPU blocks it held while storing are released by the end;
-    the blocks its worker copied to the CPU equal the blocks its CPU pool handed out; vLLM's own counters
-    still match. The same workload recorded without the connector is then put beside it with
+    the blocks its worker copied to the CPU equal the blocks its CPU pool handed out, and the tokens it
+    loaded back equal vLLM's external prefix-cache hits; vLLM's own counters still match. The same workload recorded without the connector is then put beside it with
     `kvtrace compare` (table and figures kept in $KVTRACE_GPU_OUT)."""
     name = "v2-default-cpu-offload"
     args = {"kv_transfer_config": {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
@@ -199,13 +199,15 @@ def test_cpu_offload_keeps_its_pool_apart(model, tmp_path):
                                  "group by 1").fetchall())
         transfers = con.execute("select connector, method, direction, count(*), sum(tokens), sum(bytes) "
                                 "from transfers group by all order by all").fetchall()
-        (stored_tokens,), = con.execute("select coalesce(sum(tokens), 0) from transfers where method = "
-                                        "'get_finished' and direction = 'save' and tokens is not null").fetchall()
+        (stored_tokens, loaded_tokens), = con.execute(
+            "select coalesce(sum(tokens) filter (direction = 'save'), 0), coalesce(sum(tokens) filter "
+            "(direction = 'load'), 0) from transfers where method = 'get_finished' and tokens is not null").fetchall()
     finally:
         con.close()
     row = summary(run["db"])
     note(name, {**row, "pools": pools, "gpu_blocks": gpu_blocks, "gpu_max": gpu_max, "holds": holds,
                 "transfers": transfers, "cpu_allocated": cpu_allocated, "stored_tokens": stored_tokens,
+                "loaded_tokens": loaded_tokens,
                 "vllm": run["metrics"]["vllm"]})
     plain = record(tmp_path, "v2-default-plain", model, {}, {}, ["--kv-granularity", "off"])
     out = (OUT or tmp_path) / "offload-compare"
@@ -220,6 +222,8 @@ def test_cpu_offload_keeps_its_pool_apart(model, tmp_path):
     assert gpu_max <= gpu_blocks, (gpu_max, gpu_blocks)  # num_kv_blocks: usable blocks (the null block is 0)
     assert holds.get("hold", 0) > 0, holds
     assert cpu_allocated > 0 and stored_tokens == cpu_allocated * BLOCK, (stored_tokens, cpu_allocated, transfers)
+    # what it loaded back is what vLLM counted as external prefix-cache hits
+    assert loaded_tokens == run["metrics"]["vllm"]["external_prefix_cache_hits"] > 0, (loaded_tokens, transfers)
     assert row["preemptions"] == run["metrics"]["vllm"]["num_preemptions"]
     assert cmp.returncode == 0, cmp.stderr[-3000:]
 

@@ -265,14 +265,16 @@ def fig_kv_utilization(series: list[Series]):
     ext = None
     for s in series:
         rows = s.q("kv_utilization")
-        ax.step([r["t_s"] for r in rows], [r["usage_pct"] for r in rows], where="post", label=f"{s.label} device")
+        (line,) = ax.step([r["t_s"] for r in rows], [r["usage_pct"] for r in rows], where="post",
+                          label=f"{s.label} device")
         pre = [r for r in rows if r["num_preempted"]]
         if pre:
             ax.plot([r["t_s"] for r in pre], [r["usage_pct"] for r in pre], "x", color="k", ms=5)
         if any(r["ext_stored_bytes"] for r in rows):
             ext = ext or ax.twinx()
+            # the session's own colour (the twin axis would start its colour cycle over)
             ext.plot([r["t_s"] for r in rows], [r["ext_stored_bytes"] / 2**20 for r in rows], "--",
-                     label=f"{s.label} external (MiB stored)")
+                     color=line.get_color(), label=f"{s.label} external (MiB stored)")
     ax.set_xlabel("time since first step (s)")
     ax.set_ylabel("device KV blocks in use (%)")
     ax.set_ylim(0, 105)

@@ -237,6 +237,14 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
         # through Python's file instead.
         name = str(path)
         f = open(path, "rb") if shard.open or shown(name) != name else pa.memory_map(name)
+    except FileNotFoundError:
+        closed = path.with_name(path.name[: -len(OPEN_SUFFIX)]) if shard.open else None
+        if closed is None or not closed.exists():
+            raise KvtraceError(f"{path}: shard vanished while the session was being read") from None
+        # Closed (renamed) between the size check above and the open: read the closed shard.
+        shard.path, shard.open = closed, False
+        yield from read_shard(shard, result)
+        return
     except OSError as exc:
         raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
     with f:

@@ -236,19 +236,45 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
 def _without_copies(shards_by_proc: list[tuple], issues: list[tuple[str, str, int]]) -> list[tuple]:
     """The shards with byte-for-byte copies of another left out (reported in `issues`): a shard copied
     under another number, or a process folder copied under another name, would count its rows twice.
-    Two processes never write the same bytes (every row has its own time), so equal bytes are a copy.
-    Only shards of equal table and size are read to compare, so this costs nothing in a real session."""
+    Two processes never write the same bytes of a table whose rows carry a time, so equal bytes are a
+    copy there. Rows without a time can be equal in two processes (tensor-parallel workers write the
+    same batch_slots): such a shard is a copy when another in its folder has its bytes, or when its
+    folder is a copy (every timed shard in it is). Only shards of equal table and size are read to
+    compare, so this costs nothing in a real session."""
+    timed = [(d, [sh for sh in shards if _timed(sh.table)]) for d, _, shards in shards_by_proc]
+    copies = _copies([(sh, ()) for _, shards in timed for sh in shards], issues)
+    untimed = []
+    for (d, _, shards), (_, timed_here) in zip(shards_by_proc, timed):
+        folder_copied = bool(timed_here) and all(sh.path in copies for sh in timed_here)
+        # where a folder has no timed shard to tell, untimed shards are compared across folders
+        scope = (str(d),) if timed_here and not folder_copied else ()
+        for sh in shards:
+            if _timed(sh.table):
+                continue
+            if folder_copied:
+                copies.add(sh.path)
+                issues.append((str(sh.path), f"{sh.path}: in a copied process folder, not read (its rows "
+                                             "would count twice)", 0))
+            else:
+                untimed.append((sh, scope))
+    copies |= _copies(untimed, issues)
+    if not copies:
+        return shards_by_proc
+    return [(d, doc, [sh for sh in shards if sh.path not in copies]) for d, doc, shards in shards_by_proc]
+
+
+def _copies(shards: list[tuple], issues: list[tuple[str, str, int]]) -> set[Path]:
+    """Paths of the shards whose bytes equal an earlier one's of the same table and scope."""
     import hashlib
 
-    by_size: dict[tuple[str, int], list[Path]] = {}
-    for _, _, shards in shards_by_proc:
-        for sh in shards:
-            try:
-                by_size.setdefault((sh.table, sh.path.stat().st_size), []).append(sh.path)
-            except OSError:
-                continue  # read (and reported) as it is
+    by_size: dict[tuple, list[Path]] = {}
+    for sh, scope in shards:
+        try:
+            by_size.setdefault((sh.table, sh.path.stat().st_size, *scope), []).append(sh.path)
+        except OSError:
+            continue  # read (and reported) as it is
     copies: set[Path] = set()
-    for (_, size), paths in by_size.items():
+    for (_, size, *_), paths in by_size.items():
         if len(paths) < 2 or size == 0:
             continue
         first: dict[str, Path] = {}
@@ -265,9 +291,13 @@ def _without_copies(shards_by_proc: list[tuple], issues: list[tuple[str, str, in
                 copies.add(path)
                 issues.append((str(path), f"{path}: the same bytes as {original}: a copy, not read "
                                           "(its rows would count twice)", 0))
-    if not copies:
-        return shards_by_proc
-    return [(d, doc, [sh for sh in shards if sh.path not in copies]) for d, doc, shards in shards_by_proc]
+    return copies
+
+
+def _timed(table: str) -> bool:
+    """Whether every row of a shard table carries a time (a column in ns)."""
+    cols = schema.TABLES.get(table)
+    return cols is None or any(c.name.endswith("_ns") for c in cols)
 
 
 class WriteRefused(Exception):

@@ -7,7 +7,8 @@
 -- preemption). Recompute time: sum over those steps of its prefill tokens x the step's duration
 -- (t_end_ns - t_start_ns, less the step's connector load time, counted in load_ms) / the step's
 -- scheduled tokens. Load: connector calls with direction 'load' in the steps after the preemption
--- (before the next one) whose rows name the request; each step's load-call time (distinct calls: the
+-- (before the next one) whose rows name the request (get_finished rows only where they carry bytes: a
+-- connector whose copies start there, not a completion); each step's load-call time (distinct calls: the
 -- per-request rows of one call are counted once) is split among the requests loaded in that step by
 -- their bytes. Sessions without a connector have load_bytes = 0. With by=bin, wait_ms and catch_up_ms
 -- are means over the bin's preemptions, the other columns sums.
@@ -31,7 +32,7 @@ WITH chk AS (
 ), lc AS (  -- per step: time in load calls (a call's per-request rows share one start and end)
     SELECT session, dp, step, sum(ts_end_ns - ts_start_ns) AS call_ns
     FROM (SELECT DISTINCT session, rank // 1000 AS dp, pid, step, method, ts_start_ns, ts_end_ns
-          FROM transfers WHERE direction = 'load' AND method <> 'get_finished'  -- completions, not load time
+          FROM transfers WHERE direction = 'load' AND (method <> 'get_finished' OR bytes IS NOT NULL)  -- completions carry no bytes
             AND ($session IS NULL OR session = $session))
     GROUP BY ALL
 ), rc AS (  -- catch-up rows with their share of the step's time, less the step's connector loads
@@ -62,7 +63,7 @@ WITH chk AS (
 ), lr AS (  -- per (step, request): bytes loaded
     SELECT t.session, t.rank // 1000 AS dp, t.step, t.request_id, sum(coalesce(t.bytes, 0)) AS bytes
     FROM transfers t
-    WHERE t.direction = 'load' AND t.method <> 'get_finished' AND t.request_id IS NOT NULL
+    WHERE t.direction = 'load' AND (t.method <> 'get_finished' OR t.bytes IS NOT NULL) AND t.request_id IS NOT NULL
       AND ($session IS NULL OR t.session = $session)
     GROUP BY ALL
 ), ls AS (

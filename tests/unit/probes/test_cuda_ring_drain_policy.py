@@ -64,3 +64,12 @@ def test_no_records_means_the_interval_alone():
     ring._learn_rate(snap(1, 0, 0), (0, 0))
     ring._learn_rate(snap(9, 0, 0), (0, 0))
     assert ring._drain_steps == 1 << 20
+
+
+
+def test_an_interval_of_zero_drains_every_step():
+    assert CudaKVAccessRing.DRAIN_EVERY_S == 0.1
+    ring = policy()
+    ring.DRAIN_EVERY_S = 0.0  # as {"kv_drain_interval_s": 0} sets it
+    ring._drain_steps = 1 << 20
+    assert all(ring._drain_due() for _ in range(5))

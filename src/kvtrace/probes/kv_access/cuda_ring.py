@@ -10,10 +10,9 @@ Hot path (inference thread), per call:
     captured (overlap=True) the launch goes to a side stream forked from the current one and joined at the
     next layer, so the replayed kernel runs beside attention rather than between two kernels.
   - `begin_step`: one 1-thread `kv_set_state` launch (step id and sampling flag into device memory, head
-    snapshot), then, every 100 ms or sooner when the ring may be a quarter full (`_drain_due`), `drain`: an
-    event on the inference stream, a 64-byte copy of the snapshot into pinned memory on a side stream that
-    waits for that event, a queue put. Each drain has a fixed cost on both threads (copies, a record batch,
-    GIL hand-overs), so a fast small model draining every step paid it ~100 times a second.
+    snapshot), then `drain` when due (`_drain_due`: every 100 ms, or sooner when the ring may be a quarter
+    full): an event on the inference stream, a 64-byte copy of the snapshot into pinned memory on a side
+    stream that waits for that event, a queue put.
 Background thread: waits for the snapshot copy (polling the event, no spinning core), copies the records
 between the last drained position and the snapshot into pinned staging on a copy stream, reads the live head
 again to find records overwritten meanwhile, decodes with NumPy and hands the rows to the recorder; every
@@ -226,9 +225,13 @@ class CudaKVAccessRing(KVAccessRing):
         if self.auto_drain and self._drain_due():
             self.drain()
 
-    # Drain at most this often, unless the ring may fill: the device head is unknown on the host without a
-    # sync, so the background thread estimates records per step from each drain it makes and sets how
-    # many steps fill a quarter of either ring (`_drain_steps`, 1 until the first drain says).
+    # Drain when this long has passed since the last drain, or sooner when the ring may fill: the device
+    # head is unknown on the host without a sync, so the background thread estimates records per step
+    # from each drain it makes and sets how many steps fill a quarter of either ring (`_drain_steps`, 1
+    # until the first drain says). Each drain has a fixed cost on both threads (copies, a record batch,
+    # GIL hand-overs), which a fast small model draining every step pays ~100 times a second. On an H100
+    # the 1B shape's head-to-head with draining every step was within the benchmark's noise
+    # (docs/performance.md); {"kv_drain_interval_s": 0} in the recorder options drains every step.
     DRAIN_EVERY_S = 0.1
 
     def _drain_due(self) -> bool:
