@@ -207,9 +207,18 @@ def set_laps(recs: np.ndarray, first_pos: int, log2cap: int) -> None:
 
 
 def lap_ok(recs: np.ndarray, first_pos: int, log2cap: int) -> np.ndarray:
-    pos = np.arange(first_pos, first_pos + recs.size, dtype=np.uint64)
-    lap = ((pos >> np.uint64(log2cap)) & np.uint64(LAP_MASK)).astype(np.uint32)
-    return (recs["meta"] >> np.uint32(17)) == lap
+    """Whether each record, stored at positions first_pos.., carries the lap of its position. The lap
+    is constant between two multiples of the capacity (a drained window spans at most two laps), so
+    each such run compares against one number: no per-record position arrays (this is most of a big
+    drain's CPU otherwise)."""
+    got = recs["meta"] >> np.uint32(17)
+    out = np.empty(recs.size, dtype=bool)
+    cap, i, pos = 1 << log2cap, 0, first_pos
+    while i < recs.size:
+        run = min(recs.size - i, cap - (pos & (cap - 1)))  # positions left before the next lap starts
+        np.equal(got[i:i + run], np.uint32((pos >> log2cap) & LAP_MASK), out=out[i:i + run])
+        i, pos = i + run, pos + run
+    return out
 
 
 def unpack_timings(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]:
