@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.helpers.run import query, record_workload, run_kvtrace
+from tests.helpers.run import REPO, query, record_workload, run_kvtrace
 
 pytestmark = pytest.mark.vllm
 
@@ -99,3 +99,30 @@ def test_a_sweep_writes_one_session_per_value_a_dataset_a_table_and_a_figure(rec
     assert len(json.loads(summary.stdout)) == 2
     bad = run_kvtrace("replay", str(recorded_run["session"]), "--sweep", "num-blocks=34", "-o", str(out), check=False)
     assert bad.returncode == 1 and "not an empty folder" in bad.stderr
+
+
+def test_a_policy_replays_through_scheduler_cls(recorded_run, tmp_path):
+    """`--scheduler-cls` replays the recording under another policy: tests/helpers/pinning_scheduler.py's
+    TTL pins (a vLLM Scheduler subclass, as `LLM(scheduler_cls=...)` takes it) keep each finished turn's
+    KV for the job's next turn; its `kvtrace.probes.pins` reports land in the replay's own session, and
+    the next turns hit what was kept. A class that is not a Scheduler is refused before anything is
+    written."""
+    env = {"PYTHONPATH": str(REPO), "KVTRACE_TEST_PIN_TTL_S": "0.3"}
+    run_kvtrace("replay", str(recorded_run["session"]), "-o", str(tmp_path / "pinned"), "--scheduler-cls",
+                "tests.helpers.pinning_scheduler.PinningScheduler", env=env)
+    run_kvtrace("ingest", str(tmp_path / "pinned"), "-o", str(tmp_path / "pinned.duckdb"))
+    db = tmp_path / "pinned.duckdb"
+    events = dict(query(db, "select event, count(*) from pins group by 1"))
+    assert events.get("pin", 0) > 0 and events.get("reuse", 0) > 0, events
+    assert events["pin"] == sum(events.get(e, 0) for e in ("unpin", "expire")), events  # every pin ended
+    (status, cls), = query(db, "select status, json_extract_string(manifest, "
+                               "'$.options.replay_settings.scheduler_cls') from sessions")
+    assert status == "complete" and cls == "tests.helpers.pinning_scheduler.PinningScheduler"
+    assert query(db, "select count(*) from requests")[0][0] == 18
+    for path, words in (("json.JSONDecoder", "not a subclass of vLLM's Scheduler"),
+                        ("no_such_module.Scheduler", "cannot import it"), ("Scheduler", "give module.Class")):
+        proc = run_kvtrace("replay", str(recorded_run["session"]), "-o", str(tmp_path / "refused"),
+                           "--scheduler-cls", path, check=False, env=env)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and words in lines[-1] and lines[-1].startswith("kvtrace: error: "), proc.stderr
+        assert not (tmp_path / "refused").exists()

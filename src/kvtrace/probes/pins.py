@@ -12,8 +12,8 @@ for a TTL, until the job's next turn arrives) calls these functions; each append
 `request_id` is the request whose KV is pinned (for reuse too: the owner, not the request that hit it;
 `block_events` touch rows of the same step name the hitting request). Blocks are physical block ids,
 ttl_ns the pin's time-to-live in ns (None when the policy has none), `step` defaults to the engine step
-being scheduled or finished (kvtrace's scheduler probe keeps it). Every function is a no-op costing one
-global lookup when the process is not being recorded (`KVTRACE_SESSION` unset) or the session was
+being scheduled or finished (kvtrace's scheduler probe keeps it). Every function is a no-op costing a
+few lookups when the process is not being recorded (`KVTRACE_SESSION` unset) or the session was
 recorded with `pins` disabled, and none of them raises: a pinning scheduler can call them
 unconditionally. See docs/pins.md.
 """
@@ -26,22 +26,23 @@ from collections.abc import Iterable
 from kvtrace.record.context import ctx
 
 _buffer: list | None = None
-_checked_pid = -1
+_checked: tuple = (-1, None)  # (pid, recorder) the buffer was looked up for
 
 
 def _pins_buffer() -> list | None:
-    """The recorder's `pins` buffer in this process, or None when not recording (checked once per pid)."""
-    global _buffer, _checked_pid
+    """The recorder's `pins` buffer in this process, or None when not recording (looked up again only
+    when the process or its recorder changes: a fork, or a replay writing its own session)."""
+    global _buffer, _checked
     import os
 
-    pid = os.getpid()
-    if _checked_pid == pid:
-        return _buffer
-    _checked_pid, _buffer = pid, None
     try:
-        from kvtrace.record.recorder import get_recorder
+        from kvtrace.record import recorder as _rec_mod
 
-        rec = get_recorder()
+        key = (os.getpid(), _rec_mod._recorder)
+        if _checked == key and (key[1] is not None or not os.environ.get("KVTRACE_SESSION")):
+            return _buffer
+        rec = _rec_mod.get_recorder()
+        _checked, _buffer = (os.getpid(), rec), None
         if rec is not None and "pins" not in set(rec.options.get("disable_probes", ())):
             _buffer = rec.buffer("pins")
     except Exception:
@@ -87,5 +88,5 @@ def report_reuse(request_id: str, block_ids: Iterable[int], reason: str = "pin",
 
 
 def _reset_for_tests() -> None:
-    global _buffer, _checked_pid
-    _buffer, _checked_pid = None, -1
+    global _buffer, _checked
+    _buffer, _checked = None, (-1, None)

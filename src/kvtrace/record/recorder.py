@@ -23,6 +23,7 @@ the process file (`proc.json`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -516,6 +517,21 @@ def get_recorder(role: str | None = None) -> Recorder | None:
         if _recorder is None:
             _recorder = Recorder(session_dir, role or _guess_role(), session_options())
     return _recorder
+
+
+@contextlib.contextmanager
+def as_process_recorder(rec: Recorder):
+    """`rec` is this process's recorder meanwhile (what `get_recorder` returns, so code that reports
+    through it, like a pinning scheduler's `kvtrace.probes.pins` calls, writes into `rec`): for sessions
+    a process writes itself, such as a replay."""
+    global _recorder
+    with _recorder_lock:
+        prev, _recorder = _recorder, rec
+    try:
+        yield rec
+    finally:
+        with _recorder_lock:
+            _recorder = prev
 
 
 def session_options() -> dict[str, Any]:

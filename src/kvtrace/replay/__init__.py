@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
     from kvtrace.probes.vllm.scheduler import SchedulerProbe
     from kvtrace.record.context import ctx
     from kvtrace.record.launch import finalize_session, prepare_session
-    from kvtrace.record.recorder import Recorder
+    from kvtrace.record.recorder import Recorder, as_process_recorder
 
     if Path(out_dir).resolve() == Path(session_dir).resolve():
         raise KvtraceError(f"{out_dir}: the recording itself; write the replay to another directory")
@@ -87,6 +88,10 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
     if too_long:
         raise KvtraceError(f"{session_dir}: {len(too_long)} request(s) longer than max_model_len {s.max_model_len} "
                            f"(e.g. {too_long[0]}); give --max-model-len")
+    if s.scheduler_cls:
+        from kvtrace.replay.engine import load_scheduler_cls
+
+        load_scheduler_cls(s.scheduler_cls)  # refused before anything is written
     options = {"replay_of": w.session_id, "replay_settings": vars(s)}
     out, _ = prepare_session(out_dir, ["kvtrace", "replay", str(session_dir)], options)
     rec = Recorder(out, "engine", options)
@@ -98,24 +103,38 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
         except RuntimeError as exc:  # this vLLM lacks what a replay records with
             raise KvtraceError(f"replay: {exc}") from None
         engine = ReplayEngine(str(ensure_tiny_model()), s)
-        pending, i, n = w.requests, 0, len(w.requests)
-        while i < n or engine.has_work():
-            # Requests queued after step k (ctx.step = k then) are added before step k + 1 is scheduled.
-            while i < n and (pending[i].queued_step <= engine.steps or not engine.has_work()):
-                r = pending[i]
-                engine.add(r.request_id, sequence(r, s.block_size, VOCAB), r.prompt_tokens, r.output_tokens)
-                i += 1
-            scheduled = engine.step()
-            if not scheduled.num_scheduled_tokens and i >= n and not scheduled.finished_req_ids:
-                raise KvtraceError(f"{session_dir}: vLLM's scheduler scheduled nothing at step {engine.steps} "
-                                   f"with {len(engine.sched.waiting)} request(s) waiting; stopped")
-            if progress and engine.steps % 500 == 0:
-                print(f"\rreplay: step {engine.steps:,}, {i:,}/{n:,} requests queued", end="", file=sys.stderr)
-        if progress:
-            print(file=sys.stderr)
+        with as_process_recorder(rec):  # a --scheduler-cls policy's kvtrace.probes.pins calls land here
+            _run(engine, w, s, session_dir, progress)
     finally:
         lifecycle.uninstall(probes)
         rec.close()
     finalize_session(out, 0)
-    return {"session_dir": str(out), "requests": n, "steps": engine.steps, "skipped": w.skipped,
+    return {"session_dir": str(out), "requests": len(w.requests), "steps": engine.steps, "skipped": w.skipped,
             "settings": vars(s), "pid": os.getpid()}
+
+
+# An empty step is not a stall for a policy that waits on time (a TTL pin keeps blocks a while): the
+# replay stops when its scheduler has scheduled nothing for this long.
+STALL_S = 10.0
+
+
+def _run(engine: ReplayEngine, w: Workload, s: SchedulerSettings, session_dir: str | Path, progress: bool) -> None:
+    """Queue the recorded requests by their step (`--clock steps`) and step the engine until all are done."""
+    pending, i, n = w.requests, 0, len(w.requests)
+    progressed = time.monotonic()
+    while i < n or engine.has_work():
+        # Requests queued after step k (ctx.step = k then) are added before step k + 1 is scheduled.
+        while i < n and (pending[i].queued_step <= engine.steps or not engine.has_work()):
+            r = pending[i]
+            engine.add(r.request_id, sequence(r, s.block_size, VOCAB), r.prompt_tokens, r.output_tokens)
+            i += 1
+        scheduled = engine.step()
+        if scheduled.num_scheduled_tokens or scheduled.finished_req_ids:
+            progressed = time.monotonic()
+        elif time.monotonic() - progressed > STALL_S:
+            raise KvtraceError(f"{session_dir}: the scheduler scheduled nothing for {STALL_S:.0f} s (step "
+                               f"{engine.steps:,}, {len(engine.sched.waiting)} request(s) waiting); stopped")
+        if progress and engine.steps % 500 == 0:
+            print(f"\rreplay: step {engine.steps:,}, {i:,}/{n:,} requests queued", end="", file=sys.stderr)
+    if progress:
+        print(file=sys.stderr)

@@ -29,13 +29,36 @@ class SchedulerSettings:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
+    # "module.Class" of a vLLM Scheduler subclass (a policy), importable here; None: vLLM's own. Never
+    # taken from the recording: the command line names the code it runs.
+    scheduler_cls: str | None = None
+
+
+def load_scheduler_cls(path: str) -> type:
+    """The class `path` ("module.Class") names, which must subclass vLLM's Scheduler."""
+    import importlib
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    module, _, name = path.rpartition(".")
+    if not module or not name.isidentifier():
+        raise KvtraceError(f"--scheduler-cls {path!r}: give module.Class (importable here, e.g. with PYTHONPATH)")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except Exception as exc:  # ImportError, AttributeError, or the module's own failure
+        raise KvtraceError(f"--scheduler-cls {path}: cannot import it ({type(exc).__name__}: "
+                           f"{' '.join(str(exc).split())[:200]})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise KvtraceError(f"--scheduler-cls {path}: not a subclass of vLLM's Scheduler")
+    return cls
 
 
 def build_scheduler(config: Any, block_size: int, num_blocks: int, with_tensors: bool = False,
-                    log_stats: bool = True) -> tuple[Any, Any]:
+                    log_stats: bool = True, scheduler_cls: type | None = None) -> tuple[Any, Any]:
     """(vLLM's Scheduler for `config`, the block hasher its requests need), with a KVCacheConfig of one
     full-attention group shaped like the config's model, as a worker would report it. `with_tensors`:
-    describe the worker's allocation too (connectors that size their own pools from it need it)."""
+    describe the worker's allocation too (connectors that size their own pools from it need it).
+    `scheduler_cls`: a Scheduler subclass to build instead."""
     import torch
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -56,7 +79,7 @@ def build_scheduler(config: Any, block_size: int, num_blocks: int, with_tensors:
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
                                     kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
     kv_cache_config.hash_block_size = block_size
-    sched = Scheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+    sched = (scheduler_cls or Scheduler)(vllm_config=config, kv_cache_config=kv_cache_config,
                       structured_output_manager=StructuredOutputManager(config),
                       block_size=block_size, hash_block_size=block_size, log_stats=log_stats)
     hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
@@ -81,7 +104,8 @@ class ReplayEngine:
             why = " ".join(str(exc).split())
             why = why.split("Value error, ")[-1][:240]
             raise KvtraceError(f"vLLM refuses these scheduler settings ({vars(s)}): {why}") from None
-        self.sched, self.block_hasher = build_scheduler(config, s.block_size, s.num_blocks)
+        cls = load_scheduler_cls(s.scheduler_cls) if s.scheduler_cls else None
+        self.sched, self.block_hasher = build_scheduler(config, s.block_size, s.num_blocks, scheduler_cls=cls)
         self.sequences: dict[str, list[int]] = {}  # request -> prompt + output tokens
         self.prompt_len: dict[str, int] = {}
         self.steps = 0
