@@ -59,8 +59,9 @@ def cli(debug: bool) -> None:
 @click.option("--on-max-size", type=click.Choice(["stop", "drop-oldest"]), default="stop", show_default=True,
               help="At the cap: stop recording, or delete the oldest shards (losses are counted either way).")
 @click.option("--kv-layers", default="", help="Layers to record per-block KV reads/writes for: '0,15,31' or "
-              "'all' (every layer of every step can outrun the ring on a busy GPU: the losses are counted; "
-              "--kv-sample-every N keeps whole steps instead).")
+              "'all' (the layers of a KV-cache group read the same blocks: recorded once and copied at ingest; "
+              "a busy GPU can still outrun the ring: the losses are counted; --kv-sample-every N keeps whole "
+              "steps instead).")
 @click.option("--kv-granularity", type=click.Choice(["off", "timing", "blocks"]), default="timing",
               show_default=True, help="Device/CPU KV access recording: off, per-layer timing (+ one layer's "
               "block lists per step), or full block records for --kv-layers.")

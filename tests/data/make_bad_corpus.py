@@ -61,6 +61,7 @@ CASES = [
     ("proc_probes_list", "ingest", "field 'probes' is"),
     ("proc_rows_written_text", "ingest", "field 'rows_written' is"),
     ("kv_records_bad_clock", "ingest", "clock slope outside"),
+    ("kv_records_bad_copies", "ingest", "layer_copies is not (layer, source) pairs"),
     ("random_bytes.sqlite", "nsys", "not an SQLite database"),
     ("empty.sqlite", "nsys", "empty file"),
     ("not_nsys.sqlite", "nsys", "not an Nsight Systems export"),
@@ -209,9 +210,11 @@ def make_sessions() -> None:
 
     # Packed KV access records (each row a ring drain, 32 bytes a record): bytes that are not the
     # records they claim, and a clock mapping no clock has (ingest would make up timestamps).
-    for name, count, nbytes, slope in (("kv_records_wrong_size", 2, 40, 1.0), ("kv_records_bad_clock", 1, 32, 1e300)):
+    for name, count, nbytes, slope, copies in (("kv_records_wrong_size", 2, 40, 1.0, []),
+                                               ("kv_records_bad_clock", 1, 32, 1e300, []),
+                                               ("kv_records_bad_copies", 1, 32, 1.0, [1, 0, 2])):
         write_shard(session(name, manifest()), "kv_access_records",
-                    [[(0, 0, slope, count, bytes(range(nbytes)))]])
+                    [[(0, 0, slope, count, bytes(range(nbytes)), copies)]])
 
     # Directories where files are expected (a `.keep` inside, as git keeps no empty directories).
     pdir = session("shard_is_directory", manifest())

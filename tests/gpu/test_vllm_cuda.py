@@ -75,6 +75,9 @@ CASES = [
      {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     ("v2-default-async", {"async_scheduling": True}, {}),
 ]
+# Every case records --kv-layers all with the layers of a KV-cache group shared (recorded once, copied at
+# ingest: the default); these record every layer's own records from its own metadata as well.
+EVERY_LAYER = ("v2-default-flash", "v2-eager-triton")
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +123,13 @@ def note(name: str, row: dict) -> None:
             f.write(json.dumps({"case": name, **row}, default=str) + "\n")
 
 
-@pytest.mark.parametrize("name, engine_args, env", CASES, ids=[c[0] for c in CASES])
-def test_recorded_run_is_exact(name, engine_args, env, model, tmp_path):
-    run = record(tmp_path, name, model, engine_args, env, ["--kv-granularity", "blocks", "--kv-layers", "all"])
+@pytest.mark.parametrize("name, engine_args, env, share",
+                         [(*c, True) for c in CASES] + [(f"{c[0]}-every-layer", *c[1:], False) for c in CASES
+                                                         if c[0] in EVERY_LAYER],
+                         ids=[c[0] for c in CASES] + [f"{n}-every-layer" for n in EVERY_LAYER])
+def test_recorded_run_is_exact(name, engine_args, env, share, model, tmp_path):
+    run = record(tmp_path, name, model, engine_args, env, ["--kv-granularity", "blocks", "--kv-layers", "all",
+                                                            "--options-json", json.dumps({"kv_share_layers": share})])
     vllm_counts = run["metrics"]["vllm"]
     row = summary(run["db"])
     con = duckdb.connect(str(run["db"]), read_only=True)
@@ -157,13 +164,17 @@ def test_recorded_run_is_exact(name, engine_args, env, model, tmp_path):
     assert records == expected, "a record for every block of every layer of every step"
 
 
-def test_a_small_ring_counts_exact_drops(model, tmp_path):
+@pytest.mark.parametrize("share", [True, False], ids=["shared-layers", "every-layer"])
+def test_a_small_ring_counts_exact_drops(share, model, tmp_path):
     """With a ring far too small for every layer's block records, the records lost are counted, not
     hidden: rows kept plus rows counted as dropped equal the records the run must produce (from the
-    scheduler's own block tables), and the session does not say `complete`."""
-    name = "v2-default-flash-small-ring"
+    scheduler's own block tables), and the session does not say `complete`. With layers shared (the
+    default: the 4 layers of the one KV-cache group recorded once, copied at ingest) a lost record counts
+    for its 4 rows."""
+    name = f"v2-default-flash-small-ring-{'shared' if share else 'every-layer'}"
     run = record(tmp_path, name, model, {"attention_config": {"backend": "FLASH_ATTN"}}, {},
-                 ["--kv-granularity", "blocks", "--kv-layers", "all", "--kv-ring-capacity", "256"])
+                 ["--kv-granularity", "blocks", "--kv-layers", "all", "--kv-ring-capacity", "64" if share else "256",
+                  "--options-json", json.dumps({"kv_share_layers": share})])
     con = duckdb.connect(str(run["db"]), read_only=True)
     try:
         (rows,), = con.execute("select count(*) from kv_access").fetchall()

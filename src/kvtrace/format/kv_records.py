@@ -50,23 +50,60 @@ def unpack_records(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]
     }
 
 
-def packed_batch(recs: np.ndarray, clock: tuple[int, int, float], sch: pa.Schema) -> pa.RecordBatch:
-    """One `kv_access_records` row: the records' bytes (copied: the ring's staging memory is reused) and
-    the clock mapping to decode their timestamps with."""
+def packed_batch(recs: np.ndarray, clock: tuple[int, int, float], sch: pa.Schema,
+                 copies: tuple[int, ...] = ()) -> pa.RecordBatch:
+    """One `kv_access_records` row: the records' bytes (copied: the ring's staging memory is reused), the
+    clock mapping to decode their timestamps with, and the layers recorded as copies of another
+    (`copies`: (layer, source layer) pairs, flattened)."""
     data = pa.py_buffer(np.ascontiguousarray(recs).tobytes())
     offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
     records = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, data])
     dev_ref, host_ref, slope = clock
     return pa.RecordBatch.from_arrays(
         [pa.array(np.array([dev_ref], np.int64)), pa.array(np.array([host_ref], np.int64)),
-         pa.array(np.array([slope], np.float64)), pa.array(np.array([len(recs)], np.int64)), records],
+         pa.array(np.array([slope], np.float64)), pa.array(np.array([len(recs)], np.int64)), records,
+         pa.array([list(copies)], pa.list_(pa.int32()))],
         schema=sch)
 
 
+def copy_layers(cols: dict[str, np.ndarray], copies: tuple[int, ...] | list[int]) -> dict[str, np.ndarray]:
+    """kv_access columns with each source layer's rows written again for the layers recorded as its
+    copies (`copies`: (layer, source layer) pairs, flattened), after the recorded rows. A copy keeps its
+    source's timestamp: the layer's own time is in layer_timings."""
+    if len(copies) < 2:
+        return cols
+    layer = cols["layer"]
+    picks, layers = [np.arange(layer.size)], [layer]
+    for copy, source in zip(copies[0::2], copies[1::2], strict=False):
+        rows = np.flatnonzero(layer == source)
+        picks.append(rows)
+        layers.append(np.full(rows.size, copy, dtype=layer.dtype))
+    index = np.concatenate(picks)
+    out = {name: col[index] for name, col in cols.items()}
+    out["layer"] = np.concatenate(layers)
+    return out
+
+
+# Layers one row may name as copies (a model has a few hundred layers at most; bounds what a damaged shard
+# can make ingest write).
+MAX_COPIES = 4096
+
+
 def expand_kv_records(batch: pa.RecordBatch, where: object = "kv_access_records") -> pa.RecordBatch:
-    """The kv_access rows a kv_access_records batch stands for, in record order. `where` names the
-    shard in the error a damaged batch gets."""
-    nulls = [f.name for f, c in zip(batch.schema, batch.columns) if c.null_count]
+    """The kv_access rows a kv_access_records batch stands for, as one batch (`iter_kv_records`'s
+    batches joined). `where` names the shard in the error a damaged batch gets."""
+    sch = schema.arrow_schema("kv_access")
+    table = pa.Table.from_batches(list(iter_kv_records(batch, where)), schema=sch).combine_chunks()
+    if not table.num_rows:
+        return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in sch], schema=sch)
+    return table.to_batches()[0]
+
+
+def iter_kv_records(batch: pa.RecordBatch, where: object = "kv_access_records"):
+    """The kv_access rows a kv_access_records batch stands for: per row, its records in record order,
+    then each layer recorded as a copy (layer_copies) as its own batch, so memory stays that of one
+    row's records however many layers copy them."""
+    nulls = [f.name for f, c in zip(batch.schema, batch.columns) if c.null_count and f.name != "layer_copies"]
     if nulls:
         raise KvtraceError(f"{where}: kv_access_records batch with nulls in {', '.join(nulls)}; not a shard "
                            f"kvtrace wrote")
@@ -77,17 +114,46 @@ def expand_kv_records(batch: pa.RecordBatch, where: object = "kv_access_records"
         raise KvtraceError(f"{where}: kv_access_records clock slope outside (0.5, 2); not a shard kvtrace wrote")
     dev = batch.column("clock_ref_device_ns").to_numpy(zero_copy_only=False)
     host = batch.column("clock_ref_host_ns").to_numpy(zero_copy_only=False)
-    parts = []
+    # Shards of schema version 3 have no layer_copies: nothing was recorded as a copy then.
+    copies = batch.column("layer_copies").to_pylist() if "layer_copies" in batch.schema.names else None
+    sch = schema.arrow_schema("kv_access")
+    pending: list[dict[str, np.ndarray]] = []  # pieces joined into batches of about CHUNK_ROWS rows
+    held = 0
     for i in range(batch.num_rows):
         raw = records[i].as_buffer()
         size = raw.size if raw is not None else 0
         if counts[i] < 0 or size != counts[i] * REC_DTYPE.itemsize:
             raise KvtraceError(f"{where}: a kv_access_records row holds {size} bytes for {counts[i]} records of "
                                f"{REC_DTYPE.itemsize} bytes; not a shard kvtrace wrote")
+        pairs = (copies[i] or []) if copies is not None else []
+        if (len(pairs) % 2 or len(pairs) > 2 * MAX_COPIES or any(not 0 <= v <= 0x7FFF for v in pairs)
+                or len(set(pairs[0::2])) != len(pairs) // 2):
+            raise KvtraceError(f"{where}: a kv_access_records row's layer_copies is not (layer, source) pairs "
+                               f"of distinct layers; not a shard kvtrace wrote")
         recs = np.frombuffer(raw, dtype=REC_DTYPE) if size else np.zeros(0, REC_DTYPE)
-        parts.append(unpack_records(recs, to_host_ns(recs["ts"], (int(dev[i]), int(host[i]), float(slopes[i])))))
-    sch = schema.arrow_schema("kv_access")
-    if not parts:
-        return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in sch], schema=sch)
-    cols = {name: np.concatenate([p[name] for p in parts]) for name in sch.names}
+        cols = unpack_records(recs, to_host_ns(recs["ts"], (int(dev[i]), int(host[i]), float(slopes[i]))))
+        pieces = [cols]
+        for copy, source in zip(pairs[0::2], pairs[1::2], strict=False):
+            rows = np.flatnonzero(cols["layer"] == source)
+            if rows.size:
+                copied = {name: col[rows] for name, col in cols.items()}
+                copied["layer"] = np.full(rows.size, copy, dtype=cols["layer"].dtype)
+                pieces.append(copied)
+        for piece in pieces:
+            pending.append(piece)
+            held += piece["layer"].size
+            if held >= CHUNK_ROWS:
+                yield _batch(sch, pending)
+                pending, held = [], 0
+    if pending:
+        yield _batch(sch, pending)
+
+
+# Rows per batch iter_kv_records yields at most (beyond one piece): its memory, whatever the copies.
+CHUNK_ROWS = 1 << 20
+
+
+def _batch(sch: pa.Schema, pieces: list[dict[str, np.ndarray]]) -> pa.RecordBatch:
+    cols = {name: np.concatenate([p[name] for p in pieces]) if len(pieces) > 1 else pieces[0][name]
+            for name in sch.names}
     return pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in sch], schema=sch)

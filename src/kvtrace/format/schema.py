@@ -20,7 +20,8 @@ import pyarrow as pa
 
 # Bump when a column is removed or changes meaning, or a table is added (older readers refuse shards of
 # tables they do not know); adding a trailing column is compatible (older shards read with nulls).
-SCHEMA_VERSION = 3  # 2: decode rows may come as decode_runs shards; 3: kv_access_records, offload_block_events
+SCHEMA_VERSION = 4  # 2: decode rows may come as decode_runs shards; 3: kv_access_records, offload_block_events;
+# 4: kv_access_records.layer_copies
 # Readers accept shards and manifests from this version up to SCHEMA_VERSION.
 OLDEST_READABLE_SCHEMA_VERSION = 1
 
@@ -257,6 +258,10 @@ RUN_TABLES: dict[str, tuple[str, tuple[Column, ...]]] = {
         _c("clock_slope", f64, "", "host ns per device ns (1.0 on the host)"),
         _c("records_count", i64, "records", "records in the row"),
         _c("records", pa.large_binary(), "", "the records, 32 bytes each, little-endian"),
+        _c("layer_copies", pa.list_(pa.int32()), "",
+           "pairs (layer, source layer), flattened: layers recorded once, as their source, because they read "
+           "its block table (they share a KV-cache group); ingest writes each source row again for each "
+           "such layer. Empty or null: none"),
     )),
 }
 

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from kvtrace.errors import KvtraceError
 from kvtrace.format import schema
-from kvtrace.format.kv_records import expand_kv_records
+from kvtrace.format.kv_records import expand_kv_records, iter_kv_records
 from kvtrace.format.session import read_proc, shown
 
 EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC end-of-stream marker, written when a shard closes
@@ -388,6 +388,15 @@ def loaded_batch(table: str, batch: pa.RecordBatch, where: object = "") -> pa.Re
     if expand is not None:
         return expand(batch, where or table)
     return pad_batch(batch, table)
+
+
+def loaded_batches(table: str, batch: pa.RecordBatch, where: object = "") -> Iterator[pa.RecordBatch]:
+    """`loaded_batch`'s rows in pieces: kv_access_records a row's records at a time (its layer copies
+    can make many times the rows it holds)."""
+    if table == "kv_access_records":
+        yield from iter_kv_records(batch, where or table)
+    else:
+        yield loaded_batch(table, batch, where)
 
 
 def _check_schema(path: Path, got: pa.Schema, table: str, expected: pa.Schema) -> None:

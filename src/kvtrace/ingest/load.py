@@ -24,7 +24,7 @@ from kvtrace.format.session import (
     shown,
     verdict,
 )
-from kvtrace.format.shards import ShardRead, list_shards, loaded_batch, loads_into, read_shard
+from kvtrace.format.shards import ShardRead, list_shards, loaded_batches, loads_into, read_shard
 from kvtrace.ingest.derive import (
     derive_requests,
     insert_proc,
@@ -365,12 +365,12 @@ def _load_shards(shards: list, loader: Gather, bar: Progress, rows: dict[str, in
         res = ShardRead()
         table = loads_into(shard.table)  # a run table's rows are expanded into the table they stand for
         stored = 0
-        for batch in read_shard(shard, res):
-            # An older shard's missing trailing columns padded; decode runs made rows.
-            batch = loaded_batch(shard.table, batch, shard.path)
-            loader.add(table, batch)
-            bar.add(batch.num_rows)
-            stored += batch.num_rows
+        for raw in read_shard(shard, res):
+            # An older shard's missing trailing columns padded; decode runs and KV records made rows.
+            for batch in loaded_batches(shard.table, raw, shard.path):
+                loader.add(table, batch)
+                bar.add(batch.num_rows)
+                stored += batch.num_rows
         rows[table] += stored
         for problem in res.problems:
             issues.append((str(shard.path), problem, res.bytes_cut))

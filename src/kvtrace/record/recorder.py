@@ -205,10 +205,12 @@ class Recorder:
                                            schema=sch)
         self.buffers[table].append(batch)  # a whole batch in the row list; the flush tells them apart
 
-    def append_kv_records(self, recs: Any, clock: tuple[int, int, float]) -> None:
+    def append_kv_records(self, recs: Any, clock: tuple[int, int, float], copies: tuple[int, ...] = ()) -> None:
         """A KV access ring's drained records, packed as they are into one `kv_access_records` row
-        (decoded by ingest, format/kv_records.py): a copy and a few small arrays, whatever the count."""
-        self.buffers["kv_access_records"].append(packed_batch(recs, clock, schema.arrow_schema("kv_access_records")))
+        (decoded by ingest, format/kv_records.py): a copy and a few small arrays, whatever the count.
+        `copies`: (layer, source layer) pairs, flattened, of the layers recorded as their source."""
+        self.buffers["kv_access_records"].append(
+            packed_batch(recs, clock, schema.arrow_schema("kv_access_records"), copies))
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def add_clock_anchor(self, device_ns: int | None = None, source: str = "host") -> None:

@@ -32,7 +32,8 @@ def test_cpu_ring_matches_reference(seed, slot_dtype):
     rng = random.Random(seed)
     bs = rng.choice([1, 4, 16, 32])
     rec = MemoryRecorder()
-    ring = CPUKVAccessRing(capacity=1 << 16, block_size=bs, granularity="blocks", layers="all", recorder=rec)
+    ring = CPUKVAccessRing(capacity=1 << 16, block_size=bs, granularity="blocks", layers="all", recorder=rec,
+                           share_layers=False)
     expected, expected_t = [], []
     for step in range(3):
         meta = make_metadata(rng, num_reqs=rng.randrange(1, 20), block_size=bs, slot_dtype=slot_dtype)
@@ -48,6 +49,47 @@ def test_cpu_ring_matches_reference(seed, slot_dtype):
     assert [(r[0], r[1], r[3], r[4]) for r in rec.buffers["layer_timings"]] == expected_t
     assert rec.dropped == {}
     assert ring.stats["kv_rows"] == len(expected) and ring.stats["kv_dropped"] == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layers_sharing_a_block_table_are_recorded_once_and_copied(seed):
+    """layers "all" (share_layers, the default): the layers after the first that read the same block
+    table in a forward pass record only their timing; their rows are the first layer's, copied, so the
+    rows equal every layer's own (timestamps aside) at 1/4 of the records, and a lost record counts
+    for its copies too."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 4, 16, 32])
+    rec = MemoryRecorder()
+    ring = CPUKVAccessRing(capacity=1 << 16, block_size=bs, granularity="blocks", layers="all", recorder=rec)
+    expected, expected_t = [], []
+    for step in range(3):
+        meta = make_metadata(rng, num_reqs=rng.randrange(1, 20), block_size=bs)
+        ring.begin_step(step)
+        for layer in range(4):
+            ring.record_layer(layer, *meta)
+            exp = expected_rows(step, layer, meta, bs)
+            expected += exp
+            expected_t.append((step, layer, sum(r[2] == 0 for r in exp), sum(r[2] == 1 for r in exp)))
+    ring.close()
+    assert sorted(strip_ts(kv_rows(rec))) == sorted(expected)
+    assert [(r[0], r[1], r[3], r[4]) for r in rec.buffers["layer_timings"]] == expected_t
+    assert ring.layer_copies == {1: 0, 2: 0, 3: 0} and ring._drop_units == 4
+    assert ring.stats["kv_rows"] * 4 == len(expected)
+
+
+def test_copies_end_where_a_layer_reads_its_own_table():
+    """Two KV-cache groups (two block tables): each group's first layer is recorded, the others copy
+    their own group's; with groups of unequal size a lost record counts as one row."""
+    rng = random.Random(5)
+    a, b = make_metadata(rng, num_reqs=3, block_size=4), make_metadata(rng, num_reqs=3, block_size=4)
+    ring = CPUKVAccessRing(capacity=1 << 12, block_size=4, granularity="blocks", layers="all",
+                           recorder=MemoryRecorder())
+    ring.begin_step(0)
+    for layer, meta in enumerate((a, b, a, b, a)):
+        ring.record_layer(layer, *meta)
+    assert ring.layer_copies == {2: 0, 3: 1, 4: 0} and ring._copies == (2, 0, 3, 1, 4, 0)
+    assert ring._drop_units == 1  # 3 layers on a's table, 2 on b's
+    ring.close()
 
 
 @pytest.mark.parametrize("seed", range(200))

@@ -456,7 +456,7 @@ class CudaKVAccessRing(KVAccessRing):
             if hd > tail:
                 n = hd - tail
                 self.stats["kv_dropped" if table == "kv_access" else "timing_dropped"] += n
-                self.recorder.count_drop(table, n, cause)
+                self.recorder.count_drop(table, n * (self._drop_units if table == "kv_access" else 1), cause)
                 setattr(self, attr, hd)
 
     def _drain_to(self, head: int, thead: int) -> None:

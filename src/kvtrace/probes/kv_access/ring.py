@@ -30,6 +30,12 @@ needed). Arguments:
   auto_drain       `begin_step` drains by itself, every 100 ms or when a ring may be a quarter full (a drain
                    has a fixed cost per call); the GPU ring's drain is an asynchronous copy, and the host
                    estimates its fill from the records per step of earlier drains.
+  share_layers     with layers "all" (default True): a layer that reads the block table an earlier layer
+                   of the same forward pass read (the layers of one KV-cache group read the same blocks)
+                   writes only its timing row; its block records are the earlier layer's, and the
+                   shards say so (`kv_access_records.layer_copies`), so ingest writes its kv_access rows
+                   (with the earlier layer's timestamps). 1/N of the records for N layers in a group.
+                   False: every layer's records from its own metadata (the GPU suite checks both).
   overlap          GPU, CUDA graphs (default True): while a graph is captured, each layer's record kernel is
                    forked onto a side stream and joined at the next layer, so in the graph it runs beside
                    attention instead of between kernels (measured on an H100: +0.38% -> +0.01% of a decode step). The
@@ -91,7 +97,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtrace.format.kv_records import IDENTITY_CLOCK, REC_DTYPE, to_host_ns, unpack_records  # noqa: F401
+from kvtrace.format.kv_records import IDENTITY_CLOCK, REC_DTYPE, copy_layers, to_host_ns, unpack_records  # noqa: F401
 
 OP_READ, OP_WRITE = 0, 1
 LAP_BITS = 15
@@ -255,7 +261,8 @@ class KVAccessRing:
 
     def __init__(self, capacity: int = 1 << 20, block_size: int = 16, granularity: str = "timing",
                  layers: str | Iterable[int] | None = None, sample_every: int = 1, recorder: Any = None,
-                 timing_capacity: int = 1 << 14, auto_drain: bool = True, overlap: bool = True):
+                 timing_capacity: int = 1 << 14, auto_drain: bool = True, overlap: bool = True,
+                 share_layers: bool = True):
         for name, v in (("capacity", capacity), ("timing_capacity", timing_capacity)):
             if v < 2 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 2, got {v}")
@@ -273,6 +280,13 @@ class KVAccessRing:
         self.sample_every = sample_every
         self.auto_drain = auto_drain
         self.overlap = overlap  # GPU only (see CudaKVAccessRing); nothing to overlap on the CPU
+        # layers "all": a layer that reads the block table an earlier layer of the same forward pass read
+        # (one KV-cache group) is recorded as that layer's copy, not again (see `share_layers` above)
+        self.share_layers = share_layers
+        self.layer_copies: dict[int, int] = {}  # layer -> the layer whose records stand for its own
+        self._copies: tuple[int, ...] = ()      # the same, flattened (layer, source, ...), for the shards
+        self._sources: set[int] = set()          # layers whose block records are recorded (layers "all")
+        self._drop_units = 1                    # rows a lost device record stands for (_count_units)
         if recorder is None:  # the process's recorder, or one that discards when no session is active
             from kvtrace.record.recorder import NullRecorder, get_recorder
 
@@ -288,7 +302,7 @@ class KVAccessRing:
         self.stats = {"kv_rows": 0, "timing_rows": 0, "kv_dropped": 0, "timing_dropped": 0, "drain_s": 0.0}
         self.step = -1
         self.active = False
-        self._seen_tables: set[int] = set()  # block tables that produced block records this forward pass
+        self._seen_tables: dict[tuple, tuple] = {}  # block table -> (first layer that read it this pass, it)
         self._last_layer = -1
         self.closed = False
 
@@ -302,20 +316,51 @@ class KVAccessRing:
     def _wants_blocks(self, layer_idx: int, block_table: Any) -> bool:
         """Block records for this layer call? (fixed per layer, so it is safe to freeze into a graph)"""
         spec = self.layers
-        if spec == ALL:
+        if spec == ALL and not self.share_layers:
             return True
         if spec == NONE:
             return False
-        if spec == AUTO:
+        if spec in (AUTO, ALL):
             if layer_idx <= self._last_layer:  # a new forward pass (also between graph captures)
                 self._seen_tables.clear()
             self._last_layer = layer_idx
-            key = block_table.data_ptr() if hasattr(block_table, "data_ptr") else id(block_table)
-            if key in self._seen_tables:
-                return False
-            self._seen_tables.add(key)
-            return True
+            # The table's memory and shape; the value holds the table itself until the pass ends, so
+            # its memory cannot be freed and handed to another table meanwhile (a false match).
+            addr = block_table.data_ptr() if hasattr(block_table, "data_ptr") else id(block_table)
+            key = (addr, tuple(block_table.shape))
+            first = self._seen_tables.setdefault(key, (layer_idx, block_table))[0]
+            if first == layer_idx:
+                if spec == ALL and layer_idx not in self._sources:
+                    self._sources.add(layer_idx)
+                    self._count_units()
+                return True
+            if spec == ALL:  # the same blocks as `first` read: recorded as its copy
+                self._note_copy(layer_idx, first)
+            return False
         return layer_idx in spec
+
+    def _note_copy(self, layer: int, source: int) -> None:
+        known = self.layer_copies.get(layer)
+        if known == source:
+            return
+        if known is not None:  # a layer grouped otherwise than before: keep the first, say so once
+            if not getattr(self, "_regrouped", False):
+                self._regrouped = True
+                self._warn(f"KV access ring: layer {layer} read layer {source}'s block table after layer {known}'s; "
+                           f"its rows are copied from layer {known}'s")
+            return
+        self.layer_copies[layer] = source
+        self._copies = tuple(v for pair in sorted(self.layer_copies.items()) for v in pair)
+        self._count_units()
+
+    def _count_units(self) -> None:
+        """A lost device record stands for its copies' rows too: drops count that many rows per record,
+        exact when every recorded layer has as many copies (one KV-cache group, or equal groups);
+        otherwise they count device records (1)."""
+        sizes = dict.fromkeys(self._sources, 1)
+        for src in self.layer_copies.values():
+            sizes[src] = sizes.get(src, 1) + 1
+        self._drop_units = next(iter(sizes.values())) if len(set(sizes.values())) == 1 else 1
 
     # -- row emission (drain side) -------------------------------------------------------------------------
     def _clock(self) -> tuple[int, int, float]:
@@ -345,14 +390,14 @@ class KVAccessRing:
         table = "layer_timings" if timing else "kv_access"
         dropped = (head - tail) - good.size
         if good.size and not timing and self._append_records is not None:
-            self._append_records(good, self._clock())  # packed as they are; ingest decodes them
+            self._append_records(good, self._clock(), self._copies)  # packed as they are; ingest decodes them
         elif good.size:
             ts = self._to_host_ns(good["ts"])
-            self._emit(table, unpack_timings(good, ts) if timing else unpack_records(good, ts))
+            self._emit(table, unpack_timings(good, ts) if timing else copy_layers(unpack_records(good, ts), self._copies))
         self.stats["timing_rows" if timing else "kv_rows"] += int(good.size)
         if dropped:
             self.stats["timing_dropped" if timing else "kv_dropped"] += int(dropped)
-            self.recorder.count_drop(table, int(dropped), "ring-wrap")
+            self.recorder.count_drop(table, int(dropped) * (1 if timing else self._drop_units), "ring-wrap")
 
     # The probe whose status says when records were lost without a count (kvtrace's attention probe).
     probe = "attention"

@@ -270,7 +270,10 @@ class AttentionProbe(Probe):
                          recorder=self.rec,
                          # CUDA only: run record kernels beside attention inside captured graphs
                          # (docs/device-ring.md); {"kv_overlap": false} keeps them inline.
-                         overlap=bool(self.options.get("kv_overlap", True)))
+                         overlap=bool(self.options.get("kv_overlap", True)),
+                         # --kv-layers all: the layers of a KV-cache group recorded once, copied at
+                         # ingest; {"kv_share_layers": false} records every layer's own
+                         share_layers=bool(self.options.get("kv_share_layers", True)))
         if "kv_drain_interval_s" in self.options and hasattr(ring, "DRAIN_EVERY_S"):
             # CUDA ring, experts and benchmarks: {"kv_drain_interval_s": 0} drains every step
             ring.DRAIN_EVERY_S = float(self.options["kv_drain_interval_s"])
