@@ -49,14 +49,14 @@ def query(db: Path, sql: str, params: list | None = None) -> list[tuple]:
 
 
 def record_workload(tmp: Path, name: str, model: str, workload_args: list[str],
-                    record_args: list[str] | None = None) -> dict:
+                    record_args: list[str] | None = None, env: dict | None = None) -> dict:
     """Record `python -m kvtrace.demo.workload` under `kvtrace record`, ingest it; returns paths and vLLM counters."""
     session = tmp / name
     metrics = tmp / f"{name}-metrics.json"
     db = tmp / f"{name}.duckdb"
     rec = run_kvtrace("record", "-o", str(session), "--job-pattern", JOB_PATTERN, *(record_args or []), "--",
                       sys.executable, "-m", "kvtrace.demo.workload", "--model", model, "--metrics-out",
-                      str(metrics), *workload_args)
+                      str(metrics), *workload_args, env=env)
     run_kvtrace("ingest", str(session), "-o", str(db))
     return {"session": session, "db": db, "metrics": json.loads(metrics.read_text()), "record_stderr": rec.stderr}
 
