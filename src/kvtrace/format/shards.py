@@ -203,6 +203,16 @@ def list_shards(proc_dir: Path, status: str | None = None) -> list[Shard]:
     return shards
 
 
+def _take_closed(shard: Shard) -> None:
+    """An open shard's file is gone: its process closed it (renamed .partial -> .arrows) since it was
+    listed, and `shard` now names the closed file; or it vanished, which is an error."""
+    path = shard.path
+    closed = path.with_name(path.name[: -len(OPEN_SUFFIX)]) if shard.open else None
+    if closed is None or not closed.exists():
+        raise KvtraceError(f"{path}: shard vanished while the session was being read")
+    shard.path, shard.open = closed, False
+
+
 def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
     """Yield the shard's batches, checked against its table's schema; fills `result` as it goes."""
     path = shard.path
@@ -212,11 +222,7 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        closed = path.with_name(path.name[: -len(OPEN_SUFFIX)]) if shard.open else None
-        if closed is None or not closed.exists():
-            raise KvtraceError(f"{path}: shard vanished while the session was being read") from None
-        # Its process closed it (renamed .partial -> .arrows) between listing and reading: read that.
-        shard.path, shard.open = closed, False
+        _take_closed(shard)  # its process closed it between listing and reading
         yield from read_shard(shard, result)
         return
     except OSError as exc:
@@ -238,11 +244,7 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
         name = str(path)
         f = open(path, "rb") if shard.open or shown(name) != name else pa.memory_map(name)
     except FileNotFoundError:
-        closed = path.with_name(path.name[: -len(OPEN_SUFFIX)]) if shard.open else None
-        if closed is None or not closed.exists():
-            raise KvtraceError(f"{path}: shard vanished while the session was being read") from None
-        # Closed (renamed) between the size check above and the open: read the closed shard.
-        shard.path, shard.open = closed, False
+        _take_closed(shard)  # closed between the size check above and the open
         yield from read_shard(shard, result)
         return
     except OSError as exc:

@@ -26,6 +26,23 @@ from tests.helpers.ring_metadata import (
 
 
 # ---- tests ---------------------------------------------------------------------------------------------
+def record_three_steps(ring, rng, bs, slot_dtype=None):
+    """Three steps of 4 layers on one metadata per step, the ring closed; (expected kv rows, expected
+    timing rows) per layer as the reference computes them."""
+    expected, expected_t = [], []
+    for step in range(3):
+        kw = {"slot_dtype": slot_dtype} if slot_dtype is not None else {}
+        meta = make_metadata(rng, num_reqs=rng.randrange(1, 20), block_size=bs, **kw)
+        ring.begin_step(step)
+        for layer in range(4):
+            ring.record_layer(layer, *meta)
+            exp = expected_rows(step, layer, meta, bs)
+            expected += exp
+            expected_t.append((step, layer, sum(r[2] == 0 for r in exp), sum(r[2] == 1 for r in exp)))
+    ring.close()
+    return expected, expected_t
+
+
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_cpu_ring_matches_reference(seed, slot_dtype):
@@ -34,16 +51,7 @@ def test_cpu_ring_matches_reference(seed, slot_dtype):
     rec = MemoryRecorder()
     ring = CPUKVAccessRing(capacity=1 << 16, block_size=bs, granularity="blocks", layers="all", recorder=rec,
                            share_layers=False)
-    expected, expected_t = [], []
-    for step in range(3):
-        meta = make_metadata(rng, num_reqs=rng.randrange(1, 20), block_size=bs, slot_dtype=slot_dtype)
-        ring.begin_step(step)
-        for layer in range(4):
-            ring.record_layer(layer, *meta)
-            exp = expected_rows(step, layer, meta, bs)
-            expected += exp
-            expected_t.append((step, layer, sum(r[2] == 0 for r in exp), sum(r[2] == 1 for r in exp)))
-    ring.close()
+    expected, expected_t = record_three_steps(ring, rng, bs, slot_dtype)
     assert sorted(strip_ts(kv_rows(rec))) == sorted(expected)
     assert strip_ts(kv_rows(rec)) == expected  # the CPU ring is deterministic: writes, then reads
     assert [(r[0], r[1], r[3], r[4]) for r in rec.buffers["layer_timings"]] == expected_t
@@ -61,16 +69,7 @@ def test_layers_sharing_a_block_table_are_recorded_once_and_copied(seed):
     bs = rng.choice([1, 4, 16, 32])
     rec = MemoryRecorder()
     ring = CPUKVAccessRing(capacity=1 << 16, block_size=bs, granularity="blocks", layers="all", recorder=rec)
-    expected, expected_t = [], []
-    for step in range(3):
-        meta = make_metadata(rng, num_reqs=rng.randrange(1, 20), block_size=bs)
-        ring.begin_step(step)
-        for layer in range(4):
-            ring.record_layer(layer, *meta)
-            exp = expected_rows(step, layer, meta, bs)
-            expected += exp
-            expected_t.append((step, layer, sum(r[2] == 0 for r in exp), sum(r[2] == 1 for r in exp)))
-    ring.close()
+    expected, expected_t = record_three_steps(ring, rng, bs)
     assert sorted(strip_ts(kv_rows(rec))) == sorted(expected)
     assert [(r[0], r[1], r[3], r[4]) for r in rec.buffers["layer_timings"]] == expected_t
     assert ring.layer_copies == {1: 0, 2: 0, 3: 0} and ring._drop_units == 4
