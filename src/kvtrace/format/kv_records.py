@@ -86,7 +86,7 @@ def copy_layers(cols: dict[str, np.ndarray], copies: tuple[int, ...] | list[int]
 
 # Layers one row may name as copies (a model has a few hundred layers at most; bounds what a damaged shard
 # can make ingest write).
-MAX_COPIES = 4096
+MAX_COPIES = 512
 
 
 def expand_kv_records(batch: pa.RecordBatch, where: object = "kv_access_records") -> pa.RecordBatch:

@@ -65,3 +65,42 @@ def test_damaged_rows_are_refused_in_one_line(column, value, words):
     with pytest.raises(KvtraceError, match=f"shard7: .*{words}") as err:
         expand_kv_records(pa.RecordBatch.from_arrays(cols, schema=SCHEMA), "shard7")
     assert "\n" not in str(err.value)
+
+
+def test_layer_copies_write_the_source_rows_again_in_bounded_batches(monkeypatch):
+    """A drain row naming layers as copies of a recorded layer gives that layer's rows once more per
+    copy (the copy's layer number, everything else the source's), in batches of at most CHUNK_ROWS
+    rows beyond one piece; the decoded path (`copy_layers`) gives the same rows."""
+    from kvtrace.format import kv_records
+
+    recs = records(600, 3)
+    layer = np.arange(600) % 3  # layers 0, 1, 2; 0 and 2 have copies
+    recs["meta"] = (recs["meta"] & np.uint32(0xFFFF0000)) | layer.astype(np.uint32)
+    copies = (3, 0, 4, 0, 5, 2)
+    monkeypatch.setattr(kv_records, "CHUNK_ROWS", 250)
+    parts = list(kv_records.iter_kv_records(packed_batch(recs, IDENTITY_CLOCK, SCHEMA, copies)))
+    assert all(p.num_rows <= 250 + 600 for p in parts) and len(parts) > 1
+    got = pa.Table.from_batches(parts).to_pydict()
+    base = expand_kv_records(packed_batch(recs, IDENTITY_CLOCK, SCHEMA)).to_pydict()
+    counts = {lay: got["layer"].count(lay) for lay in range(6)}
+    assert counts == {0: 200, 1: 200, 2: 200, 3: 200, 4: 200, 5: 200}
+    src = [i for i, lay in enumerate(base["layer"]) if lay == 0]
+    as3 = [i for i, lay in enumerate(got["layer"]) if lay == 3]
+    for name in ("step", "ts_ns", "op", "slot", "block_id", "token_offset", "token_count"):
+        assert [got[name][i] for i in as3] == [base[name][i] for i in src]
+    decoded = kv_records.copy_layers(kv_records.unpack_records(recs, recs["ts"].astype(np.int64)), copies)
+    assert sorted(zip(decoded["layer"].tolist(), decoded["block_id"].tolist())) == \
+        sorted(zip(got["layer"], got["block_id"]))
+
+
+@pytest.mark.parametrize("copies", [[1, 0, 2], [1, 0, 1, 2], [70000, 0], [-1, 0]])
+def test_damaged_layer_copies_are_refused(copies):
+    batch = packed_batch(records(2), IDENTITY_CLOCK, SCHEMA, tuple(copies))
+    with pytest.raises(KvtraceError, match="layer_copies"):
+        expand_kv_records(batch)
+
+
+def test_a_shard_of_schema_3_has_no_copies():
+    old = pa.schema(list(SCHEMA)[:5])
+    batch = packed_batch(records(5), IDENTITY_CLOCK, SCHEMA)
+    assert expand_kv_records(pa.RecordBatch.from_arrays(batch.columns[:5], schema=old)).num_rows == 5
