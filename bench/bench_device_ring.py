@@ -282,17 +282,20 @@ def bench(args):
                 layer(i)
         return fn
 
-    def make(granularity, layers, overlap=False):
+    def make(granularity, layers, overlap=False, share=False):
         rec = CountingRecorder()
         ring = make_ring(dev, capacity=args.capacity, block_size=bs, granularity=granularity, layers=layers,
-                         recorder=rec, overlap=overlap)
+                         recorder=rec, overlap=overlap, share_layers=share)
         ring.begin_step(0, record=False)  # warm-up runs before capture record nothing
         return ring, rec
 
-    # inline: every record kernel between two kernels of the step; +ovl (the default): forked in the graph
+    # inline: every record kernel between two kernels of the step; +ovl (the default): forked in the graph.
+    # blocks-all: every layer's own block records (the layers here share one block table, so
+    # `kvtrace record --kv-layers all` records them once: blocks-all-shared)
     rings = {"timing": make("timing", None), "blocks-3": make("blocks", "0,15,31"),
              "blocks-all": make("blocks", "all"), "timing+ovl": make("timing", None, True),
-             "blocks-all+ovl": make("blocks", "all", True)}
+             "blocks-all+ovl": make("blocks", "all", True),
+             "blocks-all-shared+ovl": make("blocks", "all", True, share=True)}
     from kvtrace.probes.kv_access.cuda_ring import empty_kernel_launcher
 
     empty_kernel = empty_kernel_launcher(dev.index)
@@ -330,7 +333,8 @@ def bench(args):
 
     print("\nrecords per step and host drain:")
     expected = {"timing": reads + writes, "blocks-3": 3 * (reads + writes), "blocks-all": L * (reads + writes),
-                "timing+ovl": reads + writes, "blocks-all+ovl": L * (reads + writes)}
+                "timing+ovl": reads + writes, "blocks-all+ovl": L * (reads + writes),
+                "blocks-all-shared+ovl": L * (reads + writes)}  # rows: one layer's records, copied to all
     steps_recorded = (args.rounds + 2) * args.replays  # the timed rounds and the rings-alone rounds
     for name, (ring, rec) in rings.items():
         st = ring.stats
@@ -366,6 +370,7 @@ def bench(args):
     print(f"| floor: one empty kernel per layer, inline | {pct('empty-kernel')} | |")
     print(f"| default: timing granularity, overlap (kernels forked in the graph) | {pct('timing+ovl')} | <= 0.25% |")
     print(f"| block records all layers, overlap | {pct('blocks-all+ovl')} | <= 1% |")
+    print(f"| block records all layers recorded once (one block table), overlap | {pct('blocks-all-shared+ovl')} | |")
     print(f"| timing granularity, inline (overlap=False) | {pct('timing')} | |")
     print(f"| block records 3 layers, inline | {pct('blocks-3')} | |")
     print(f"| block records all layers, inline | {pct('blocks-all')} | <= 1% |")
