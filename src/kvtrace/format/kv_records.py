@@ -10,6 +10,8 @@ in memory, the rows are the same.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pyarrow as pa
 
@@ -70,18 +72,21 @@ def copy_layers(cols: dict[str, np.ndarray], copies: tuple[int, ...] | list[int]
     """kv_access columns with each source layer's rows written again for the layers recorded as its
     copies (`copies`: (layer, source layer) pairs, flattened), after the recorded rows. A copy keeps its
     source's timestamp: the layer's own time is in layer_timings."""
-    if len(copies) < 2:
+    pieces = [cols, *copied_rows(cols, copies)]
+    if len(pieces) == 1:
         return cols
-    layer = cols["layer"]
-    picks, layers = [np.arange(layer.size)], [layer]
+    return {name: np.concatenate([p[name] for p in pieces]) for name in cols}
+
+
+def copied_rows(cols: dict[str, np.ndarray], copies: tuple[int, ...] | list[int]):
+    """For each (layer, source) pair of `copies` (flattened) whose source has rows in `cols`: those rows
+    with the copy's layer number."""
     for copy, source in zip(copies[0::2], copies[1::2], strict=False):
-        rows = np.flatnonzero(layer == source)
-        picks.append(rows)
-        layers.append(np.full(rows.size, copy, dtype=layer.dtype))
-    index = np.concatenate(picks)
-    out = {name: col[index] for name, col in cols.items()}
-    out["layer"] = np.concatenate(layers)
-    return out
+        rows = np.flatnonzero(cols["layer"] == source)
+        if rows.size:
+            copied = {name: col[rows] for name, col in cols.items()}
+            copied["layer"] = np.full(rows.size, copy, dtype=cols["layer"].dtype)
+            yield copied
 
 
 # Layers one row may name as copies (a model has a few hundred layers at most; bounds what a damaged shard
@@ -132,14 +137,7 @@ def iter_kv_records(batch: pa.RecordBatch, where: object = "kv_access_records"):
                                f"of distinct layers; not a shard kvtrace wrote")
         recs = np.frombuffer(raw, dtype=REC_DTYPE) if size else np.zeros(0, REC_DTYPE)
         cols = unpack_records(recs, to_host_ns(recs["ts"], (int(dev[i]), int(host[i]), float(slopes[i]))))
-        pieces = [cols]
-        for copy, source in zip(pairs[0::2], pairs[1::2], strict=False):
-            rows = np.flatnonzero(cols["layer"] == source)
-            if rows.size:
-                copied = {name: col[rows] for name, col in cols.items()}
-                copied["layer"] = np.full(rows.size, copy, dtype=cols["layer"].dtype)
-                pieces.append(copied)
-        for piece in pieces:
+        for piece in itertools.chain([cols], copied_rows(cols, pairs)):  # one copy made at a time
             pending.append(piece)
             held += piece["layer"].size
             if held >= CHUNK_ROWS:
