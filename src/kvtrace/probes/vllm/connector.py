@@ -322,12 +322,10 @@ class ConnectorProbe(Probe):
             if self.enabled:
                 try:
                     meta = _arg(args, kwargs, 0, "connector_metadata")
-                    state.plan = self.request_plan(state, meta)
                     flat = block_lists(meta)
-                    if flat is not None:
-                        # Its copies start in get_finished, never in save_kv_layer / start_load_kv: those
-                        # calls move nothing (an empty plan), rather than "what the layer wrote".
-                        state.plan = []
+                    # A block-list connector's copies start in get_finished, never in save_kv_layer /
+                    # start_load_kv: those calls move nothing (an empty plan), not "what the layer wrote".
+                    state.plan = [] if flat is not None else self.request_plan(state, meta)
                     if flat:  # kept until get_finished launches them (a step may bind twice)
                         state.flat = (state.flat or []) + flat
                 except Exception as exc:
