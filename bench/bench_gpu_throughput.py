@@ -18,8 +18,17 @@ bootstrap over repetitions (within-process noise), and the per-round ratios are 
 between processes shows too. Prompts are random token ids, different in every repetition and the same
 in every process, so the prefix cache never hits and every variant does identical work.
 
+With `--together`, a round starts every variant's process first (one after another, each with its
+share of the GPU's memory) and then runs the repetitions in turns: repetition 1 of each variant (order
+rotating), then repetition 2, and so on, each process waiting while the others run. Repetitions of the
+variants are then minutes apart at most instead of whole processes apart, so slow drift of the machine
+(which moves a host-bound small model's throughput by 25% between processes) hits every variant alike;
+the ratio is then also given paired, from each turn's recorded / plain ratio.
+
     python bench/bench_gpu_throughput.py --shapes 1b,8b --rounds 2 --out DIR
-    python bench/bench_gpu_throughput.py --shapes tiny --device-check off   # smoke test on vLLM's CPU build
+    python bench/bench_gpu_throughput.py --shapes 1b --together --rounds 2 --reps 15 --out DIR
+    python bench/bench_gpu_throughput.py --shapes tiny --num-prompts 16 --input-len 64 --output-len 16 \
+        --rounds 1 --reps 2 --gpu-memory-utilization 0.5   # smoke test on vLLM's CPU build
 
 Needs vLLM (its CUDA build for the real figures) and kvtrace importable in the same Python.
 """
@@ -110,9 +119,15 @@ def worker(args) -> None:
                 for _ in range(args.num_prompts)]
 
     llm.generate(prompts(-1)[: max(1, args.num_prompts // 4)], params, use_tqdm=False)  # warm-up
+    turns = Path(args.turns) if args.turns else None
+    if turns:
+        (turns / "ready").touch()
     reps = []
     for rep in range(args.reps):
         batch = prompts(rep)
+        if turns:  # --together: wait for this process's turn (the driver names it), then say it is done
+            while not (turns / f"go-{rep}").exists():
+                time.sleep(0.005)
         cpu0, steps0, t0 = children_cpu_s(), engine_steps(llm), time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
@@ -120,35 +135,95 @@ def worker(args) -> None:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         steps = steps1 - steps0 if steps0 is not None and steps1 is not None else None
         reps.append({"seconds": seconds, "output_tokens": tokens, "engine_cpu_s": cpu1 - cpu0, "steps": steps})
-    Path(args.result).write_text(json.dumps({"reps": reps}))
+        Path(args.result).write_text(json.dumps({"reps": reps}))
+        if turns:
+            (turns / f"done-{rep}").touch()
 
 
 # ----------------------------------------------------------------------------------------------- driver
 
 
-def run_variant(args, shape: str, model: Path, variant: str, rnd: int, out: Path, scratch: Path) -> dict:
-    result = scratch / f"{shape}-{variant}-{rnd}.json"
+def variant_cmd(args, model: Path, variant: str, result: Path, session: Path, memory: float,
+                turns: Path | None = None) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", str(model), "--result", str(result),
            "--reps", str(args.reps), "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--dtype", args.dtype, "--engine-args", args.engine_args,
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    session = scratch / f"session-{shape}-{variant}-{rnd}"
+           "--gpu-memory-utilization", str(memory)]
+    if turns is not None:
+        cmd += ["--turns", str(turns)]
     if VARIANTS[variant] is not None:
         cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session), *VARIANTS[variant], "--", *cmd]
+    return cmd
+
+
+def run_variant(args, shape: str, model: Path, variant: str, rnd: int, out: Path, scratch: Path) -> dict:
+    result = scratch / f"{shape}-{variant}-{rnd}.json"
+    session = scratch / f"session-{shape}-{variant}-{rnd}"
+    cmd = variant_cmd(args, model, variant, result, session, args.gpu_memory_utilization)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.monotonic() - t0
+    return finish_run(shape, variant, rnd, out, proc.returncode, proc.stdout, proc.stderr,
+                      time.monotonic() - t0, result, session)
+
+
+def run_round_together(args, shape: str, model: Path, order: list[str], rnd: int, out: Path,
+                       scratch: Path) -> dict[str, dict]:
+    """One process per variant, all alive at once; their repetitions run in turns (see --together)."""
+    memory = args.gpu_memory_utilization / len(order)
+    procs = {}
+    t0 = time.monotonic()
+    try:
+        for v in order:  # one at a time: vLLM sizes its KV cache from the memory free when it starts
+            turns = scratch / f"turns-{shape}-{v}-{rnd}"
+            turns.mkdir()
+            result, session = scratch / f"{shape}-{v}-{rnd}.json", scratch / f"session-{shape}-{v}-{rnd}"
+            logs = open(scratch / f"{shape}-{v}-{rnd}.stdout", "w+"), open(scratch / f"{shape}-{v}-{rnd}.stderr", "w+")
+            proc = subprocess.Popen(variant_cmd(args, model, v, result, session, memory, turns),
+                                    stdout=logs[0], stderr=logs[1], text=True)
+            procs[v] = (proc, turns, result, session, logs)
+            wait_for(proc, turns / "ready", t0 + args.timeout, f"{shape} {v} round {rnd} to start", logs)
+        for rep in range(args.reps):
+            k = rep % len(order)
+            for v in order[k:] + order[:k]:
+                proc, turns, *_, logs = procs[v]
+                (turns / f"go-{rep}").touch()
+                wait_for(proc, turns / f"done-{rep}", t0 + args.timeout, f"{shape} {v} round {rnd} rep {rep}", logs)
+        runs = {}
+        for v, (proc, _turns, result, session, logs) in procs.items():
+            code = proc.wait(timeout=max(1.0, t0 + args.timeout - time.monotonic()))
+            logs[0].seek(0), logs[1].seek(0)
+            runs[v] = finish_run(shape, v, rnd, out, code, logs[0].read(), logs[1].read(),
+                                 time.monotonic() - t0, result, session)
+        return runs
+    finally:
+        for proc, *_ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+def wait_for(proc: subprocess.Popen, path: Path, deadline: float, what: str, logs) -> None:
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            logs[1].seek(0)
+            raise SystemExit(f"bench: waiting for {what}: the process "
+                             + (f"exited ({proc.returncode})" if proc.poll() is not None else "timed out")
+                             + ":\n" + logs[1].read()[-3000:])
+        time.sleep(0.005)
+
+
+def finish_run(shape: str, variant: str, rnd: int, out: Path, code: int, stdout: str, stderr: str, wall: float,
+               result: Path, session: Path) -> dict:
     with open(out / "logs.txt", "a") as log:  # one file for all runs: tails only
-        log.write(f"=== {shape} {variant} round {rnd}: exit {proc.returncode}, {wall:.0f} s\n"
-                  f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-8000:]}\n")
-    if proc.returncode != 0 or not result.exists():
-        raise SystemExit(f"bench: {shape} {variant} round {rnd} failed (exit {proc.returncode}); see "
-                         f"{out / 'logs.txt'}:\n" + proc.stderr[-3000:])
+        log.write(f"=== {shape} {variant} round {rnd}: exit {code}, {wall:.0f} s\n"
+                  f"{stdout[-3000:]}\n--- stderr ---\n{stderr[-8000:]}\n")
+    if code != 0 or not result.exists():
+        raise SystemExit(f"bench: {shape} {variant} round {rnd} failed (exit {code}); see "
+                         f"{out / 'logs.txt'}:\n" + stderr[-3000:])
     run = json.loads(result.read_text())
     run["wall_s"] = wall
     # kvtrace record's closing lines: the session's status and what it lost, if anything; and what each
     # process's recorder said about itself (drops, the ring's drain time).
-    said = [line for line in proc.stderr.splitlines() if line.startswith("kvtrace:")]
+    said = [line for line in stderr.splitlines() if line.startswith("kvtrace:")]
     closing = [i for i, line in enumerate(said) if line.startswith("kvtrace: session")]
     run["record_says"] = said[closing[-1]:] if closing else said[-2:]
     if session.exists():
@@ -180,6 +255,17 @@ def ratio_ci(plain: list[float], other: list[float], n_boot: int = 4000) -> tupl
             boots[int(0.975 * n_boot) - 1])
 
 
+def paired_ci(ratios: list[float], n_boot: int = 4000) -> tuple[float, float, float]:
+    """Geometric mean of paired ratios, with a 95% bootstrap interval over the pairs."""
+    import math
+
+    rng = random.Random(0)
+    logs = [math.log(r) for r in ratios]
+    boots = sorted(statistics.fmean(rng.choice(logs) for _ in logs) for _ in range(n_boot))
+    return (math.exp(statistics.fmean(logs)), math.exp(boots[int(0.025 * n_boot)]),
+            math.exp(boots[int(0.975 * n_boot) - 1]))
+
+
 def report(shape: str, runs: dict[str, list[dict]], args) -> list[str]:
     lines = [f"\n{shape}: {SHAPES[shape]['num_hidden_layers']} layers, {args.num_prompts} prompts x "
              f"{args.input_len} in / {args.output_len} out, {args.rounds} rounds x {args.reps} reps"]
@@ -198,6 +284,13 @@ def report(shape: str, runs: dict[str, list[dict]], args) -> list[str]:
         c_txt = f"{c[0]:.4f} [{c[1]:.4f}, {c[2]:.4f}]" if c else "n/a"
         lines.append(f"  {v:<11s} {statistics.fmean(thr[v]):13.1f} {t[0]:.4f} [{t[1]:.4f}, {t[2]:.4f}] "
                      f"{rounds:>20s} {cpu_txt} {c_txt:>24s}  {steps[v]}")
+    if args.together:  # each repetition beside the plain one of its turn
+        for v in runs:
+            if v != "plain":
+                pairs = [throughput(r) / throughput(p) for run, base in zip(runs[v], runs["plain"])
+                         for r, p in zip(run["reps"], base["reps"])]
+                g = paired_ci(pairs)
+                lines.append(f"  {v} / plain, paired by turn ({len(pairs)} turns): {g[0]:.4f} [{g[1]:.4f}, {g[2]:.4f}]")
     for v, rs in runs.items():
         for i, run in enumerate(rs):
             if run.get("record_says"):
@@ -241,6 +334,9 @@ def main() -> None:
     ap.add_argument("--engine-args", default="{}", help="JSON of extra vLLM engine arguments")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per process")
     ap.add_argument("--out", default="bench-gpu-throughput", help="folder for results, logs and sessions")
+    ap.add_argument("--together", action="store_true",
+                    help="keep every variant's process alive and run their repetitions in turns (see above)")
+    ap.add_argument("--turns", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -267,8 +363,10 @@ def main() -> None:
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
-            for v in order:
-                run = run_variant(args, shape, model, v, rnd, out, scratch)
+            # sequential processes: each kept as it ends; together: all at the end of the round
+            done = (run_round_together(args, shape, model, order, rnd, out, scratch).items() if args.together
+                    else ((v, run_variant(args, shape, model, v, rnd, out, scratch)) for v in order))
+            for v, run in done:
                 runs[v].append(run)
                 thr = statistics.fmean(throughput(r) for r in run["reps"])
                 print(f"{shape} round {rnd} {v:<11s}: {thr:10.1f} output tok/s over {len(run['reps'])} reps, "
