@@ -64,6 +64,8 @@ VARIANTS = {
     # the default granularity with the device ring drained every step, instead of every 100 ms (or
     # sooner when it may be a quarter full)
     "default-drain-each-step": ["--options-json", '{"kv_drain_interval_s": 0}'],
+    # the default granularity on one step in 64: the per-step hooks stay, the device records go
+    "default-sample-64": ["--kv-sample-every", "64"],
 }
 
 
