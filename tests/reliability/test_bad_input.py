@@ -412,6 +412,25 @@ def test_a_process_folder_reachable_through_a_link_is_counted_once(tmp_path):
     assert any("again-1: a link, not read" in p for p in issues), issues
 
 
+def test_a_link_to_a_process_folder_outside_the_session_is_not_read_and_said(tmp_path, small_session):
+    """A process folder moved elsewhere and linked back is not followed: its rows are not in the
+    database, so the session is `degraded` with the link named, never `complete`."""
+    procs = sorted(p for p in (small_session / "procs").iterdir())
+    assert len(procs) >= 2
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(procs[-1]), moved)
+    (small_session / "procs" / procs[-1].name).symlink_to(moved, target_is_directory=True)
+    db = tmp_path / "s.duckdb"
+    proc = kv("ingest", str(small_session), "-o", str(db))
+    assert proc.returncode == 0, proc.stderr
+    with duckdb.connect(str(db), read_only=True) as con:
+        ((status,),) = con.execute("select status from sessions").fetchall()
+        issues = [p for p, in con.execute("select problem from ingest_issues").fetchall()]
+    assert status == "degraded", (status, issues)
+    assert any(f"behind links not read: {procs[-1].name}" in p for p in issues), issues
+    assert any("leads outside the session's process folders" in p for p in issues), issues
+
+
 def test_an_sqlite_file_as_the_database_is_refused_without_a_download(tmp_path, small_session):
     """DuckDB opens an SQLite file through its sqlite_scanner extension, which it would download: every
     connection kvtrace makes has extension auto-install and auto-load off, so an SQLite file named as

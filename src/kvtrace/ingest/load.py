@@ -9,6 +9,7 @@ next ingest (store/layout.py).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -151,9 +152,17 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
         job_pattern_groups(job_pattern)  # a bad pattern fails here, before anything is loaded
     create_tables(con)
     shards_by_proc = [(p.path, p.doc, list_shards(p.path, p.status)) for p in session.procs]
+    # Links are never followed (a process folder read through one could count twice); one that leads
+    # outside the session's own process folders leaves its rows out, which the verdict says.
+    # (realpath, not Path.resolve: a link loop is an answer there, not an error)
+    own = {os.path.realpath(p.path) for p in session.procs}
+    links = linked_proc_dirs(session_dir)
+    unread = [p for p in links if os.path.realpath(p) not in own]
     issues: list[tuple[str, str, int]] = [
-        (str(p), f"{p}: a link, not read (kvtrace makes none; a process folder read through one could "
-                 "count twice)", 0) for p in linked_proc_dirs(session_dir)]
+        (str(p), f"{p}: a link, not read (kvtrace makes none; "
+                 + ("its target is read as its own folder)" if p not in unread else
+                    "it leads outside the session's process folders: its rows are not in the database)"), 0)
+        for p in links]
     shards_by_proc = _without_copies(shards_by_proc, issues)
     total = sum(len(s) for _, _, s in shards_by_proc)
     bar = Progress(f"ingest {session_dir.name}", total, progress)
@@ -210,6 +219,9 @@ def ingest_session(con: duckdb.DuckDBPyConnection, session: str | Path | Session
             inserter.close(cancel=True)  # the connection is this thread's again (for the rest, or ROLLBACK)
         engine = engine_config(manifest, [proc for _, proc, _ in shards_by_proc])
         status, problems = verdict(not incomplete, loaded, engine)
+        if unread:
+            problems.append(f"{len(unread)} process folder(s) behind links not read: {', '.join(p.name for p in unread)}")
+            status = "degraded" if status == "complete" else status
         insert_session(con, sid, session_dir, manifest, engine, status, job_pattern)
         # The session's own problems (file ''), then each shard's.
         for path, problem, cut in [*(("", problem, 0) for problem in problems), *issues]:
