@@ -37,6 +37,10 @@ class DrivenConfig:
     # SimpleCPUOffloadConnector with this many bytes of CPU blocks (None: no connector). Its scheduler
     # side is vLLM's; the worker side is `instant_offload_output`.
     cpu_offload_bytes: int | None = None
+    # vLLM 0.33's lookahead block hashes (`VllmConfig.num_hash_lookahead_tokens`, which EAGLE-style
+    # drafting turns on): set here on the config as the drafter's settings would (no draft model needed
+    # to schedule); the Scheduler, its block pool and the block hasher then run vLLM's lookahead code.
+    hash_lookahead_tokens: int = 0
 
 
 _config_cache: dict[tuple, Any] = {}
@@ -47,7 +51,8 @@ def vllm_config(model: str, cfg: DrivenConfig):
     import copy
 
     key = (model, cfg.num_blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-           cfg.max_model_len, cfg.enable_prefix_caching, repr(sorted(cfg.extra.items())), cfg.cpu_offload_bytes)
+           cfg.max_model_len, cfg.enable_prefix_caching, repr(sorted(cfg.extra.items())), cfg.cpu_offload_bytes,
+           cfg.hash_lookahead_tokens)
     if key not in _config_cache:
         from vllm.engine.arg_utils import EngineArgs
 
@@ -63,7 +68,14 @@ def vllm_config(model: str, cfg: DrivenConfig):
                           max_num_batched_tokens=cfg.max_num_batched_tokens,
                           enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=True,
                           num_gpu_blocks_override=cfg.num_blocks, seed=0, **extra)
-        _config_cache[key] = args.create_engine_config()
+        config = args.create_engine_config()
+        if cfg.hash_lookahead_tokens:
+            if not hasattr(type(config), "num_hash_lookahead_tokens"):
+                raise NotImplementedError("this vLLM has no lookahead block hashes (0.33+)")
+            # a property of VllmConfig derived from the speculative config: a subclass fixes its value
+            config.__class__ = type("LookaheadVllmConfig", (type(config),),
+                                    {"num_hash_lookahead_tokens": cfg.hash_lookahead_tokens})
+        _config_cache[key] = config
     config = copy.deepcopy(_config_cache[key])
     # What EngineCore._initialize_kv_caches sets once the workers reported their memory.
     config.cache_config.num_gpu_blocks = cfg.num_blocks

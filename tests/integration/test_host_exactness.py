@@ -381,6 +381,44 @@ def _scheduler_source() -> str:
     return inspect.getsource(scheduler)
 
 
+# ---- lookahead block hashes (vLLM 0.33, EAGLE-style drafting with prefix caching) ----------------------
+def test_lookahead_block_hashes_shift_full_blocks_as_vllm_hashes_them(drive):
+    """With lookahead block hashes (L tokens after a block are part of its hash) vLLM hashes a block only
+    once L more tokens follow it: a prompt of 3 blocks + 1 token has 2 hashed blocks, not 3. The lookup
+    rows say what vLLM could look up (full_blocks = the request's hashes at the lookup, the rest in
+    tail_tokens), their hits equal vLLM's own counters, and the engine config names L."""
+    from vllm.config import VllmConfig
+
+    if not hasattr(VllmConfig, "num_hash_lookahead_tokens"):
+        pytest.skip("this vLLM has no lookahead block hashes (0.33 and later)")
+    lookahead, prefix = 2, list(range(100, 196))  # 96 tokens = 3 blocks of 32
+
+    def scenario(d):
+        seen = []
+        for rid, tail in (("A", [300]), ("B", [400]), ("C", list(range(500, 540)))):
+            req = d.add(rid, prefix + tail, 2)
+            seen.append(len(req.block_hashes))  # hashed at arrival: what the lookup can match
+            d.run()
+        stats = [s.prefix_cache_stats for s in d.stats if s.prefix_cache_stats is not None]
+        return seen, sum(s.queries for s in stats), sum(s.hits for s in stats), d.sched.num_hash_lookahead_tokens
+
+    session, (seen, vllm_queries, vllm_hits, sched_lookahead) = drive(
+        DrivenConfig(num_blocks=64, hash_lookahead_tokens=lookahead), scenario, keep_stats=True)
+    assert sched_lookahead == lookahead
+    # A and B: 97 tokens, block 3 ends at 96 and needs 98 to be hashed; C: 136 tokens, 4 blocks hashed
+    assert seen == [2, 2, 4]
+    lookups = rows(session, "prefix_lookups")
+    assert [(r["request_id"], r["full_blocks"], r["tail_tokens"]) for r in lookups] == \
+        [("A", 2, 33), ("B", 2, 33), ("C", 4, 8)]
+    # B reuses A's 2 hashed blocks; C reuses them too (its 3rd block's hash covers other tokens than A's
+    # 3rd block, which was never hashed)
+    assert [r["hit_tokens"] for r in lookups] == [0, 64, 64]
+    assert (sum(r["query_tokens"] for r in lookups), sum(r["hit_tokens"] for r in lookups)) == \
+        (vllm_queries, vllm_hits)
+    (proc,) = [json.loads(p.read_text()) for p in session.glob("procs/*/proc.json")]
+    assert proc["engine_config"]["hash_lookahead_tokens"] == lookahead
+
+
 # ---- why lookups missed (canned query prefix_misses) -------------------------------------------------
 def test_prefix_misses_are_classified_by_the_block_events(drive, tmp_path):
     """A 4-block prompt three times, the third after a request that takes the whole pool (8 blocks): its

@@ -90,6 +90,19 @@ def test_replay_refuses_what_it_cannot_run(recorded_run, tmp_path):
         proc = run_kvtrace("replay", session, *args, check=False)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and lines[-1].startswith("kvtrace: error: ") and words in lines[-1], proc.stderr
+    # A recording made with vLLM 0.33's lookahead block hashes (its engine config says so)
+    import shutil
+
+    copy = tmp_path / "lookahead"
+    shutil.copytree(session, copy)
+    for path in copy.glob("procs/*/proc.json"):
+        doc = json.loads(path.read_text())
+        if "engine_config" in doc:
+            doc["engine_config"]["hash_lookahead_tokens"] = 1
+            path.write_text(json.dumps(doc))
+    proc = run_kvtrace("replay", str(copy), "-o", str(tmp_path / "y"), check=False)
+    assert proc.returncode == 1 and "lookahead block hashes" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not (tmp_path / "y").exists()
 
 
 def test_a_sweep_writes_one_session_per_value_a_dataset_a_table_and_a_figure(recorded_run, tmp_path):

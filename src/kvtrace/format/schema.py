@@ -136,8 +136,10 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("query_tokens", i32, "tokens", "tokens the lookup was for (vLLM counts request.num_tokens)"),
         _c("hit_tokens", i32, "tokens", "tokens found in the local prefix cache"),
         _c("hit_blocks", i32, "blocks", "blocks found in the local prefix cache"),
-        _c("full_blocks", i32, "blocks", "full blocks of the query (hashable)"),
-        _c("tail_tokens", i32, "tokens", "tokens past the last full block (can never hit)"),
+        _c("full_blocks", i32, "blocks", "full blocks of the query that have a hash (can hit); with vLLM 0.33's "
+           "lookahead block hashes (sessions.engine_config hash_lookahead_tokens L > 0) a block has one "
+           "once L more tokens follow it, so a prompt's last full block may not"),
+        _c("tail_tokens", i32, "tokens", "tokens past the last hashed block (can never hit)"),
         _c("missed_hashes", i64_list, "",
            "hashes (int64 prefix) of the full blocks after the hit that missed; the canned query "
            "prefix_misses classifies them (never-cached, evicted, capped, after-miss); null when the "

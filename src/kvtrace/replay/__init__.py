@@ -82,6 +82,10 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
     if Path(out_dir).resolve() == Path(session_dir).resolve():
         raise KvtraceError(f"{out_dir}: the recording itself; write the replay to another directory")
     w = workload if workload is not None else read_workload(session_dir)
+    lookahead = w.engine.get("hash_lookahead_tokens")
+    if lookahead:  # its prompts' block-hash structure is not the one the replay's hasher would make
+        raise KvtraceError(f"{session_dir}: recorded with vLLM's lookahead block hashes (hash_lookahead_tokens "
+                           f"{lookahead}, EAGLE-style drafting); replaying those is not supported yet")
     s = settings_for(w, overrides or {})
     check_settings(s, f"{session_dir}")
     too_long = [r.request_id for r in w.requests if r.prompt_tokens + r.output_tokens > s.max_model_len]

@@ -84,7 +84,11 @@ def build_scheduler(config: Any, block_size: int, num_blocks: int, with_tensors:
                       block_size=block_size, hash_block_size=block_size, log_stats=log_stats)
     hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
-    return sched, get_request_block_hasher(block_size, hash_fn)
+    # vLLM 0.33's lookahead block hashes (EAGLE-style drafting with prefix caching): a block's hash also
+    # covers the tokens after it, and the requests must be hashed as the scheduler's pool expects.
+    lookahead = getattr(sched, "num_hash_lookahead_tokens", 0) or 0
+    return sched, (get_request_block_hasher(block_size, hash_fn, lookahead) if lookahead
+                   else get_request_block_hasher(block_size, hash_fn))
 
 
 class ReplayEngine:

@@ -602,6 +602,8 @@ class SchedulerProbe(Probe):
             "max_num_scheduled_tokens": sched.max_num_scheduled_tokens,
             "max_model_len": getattr(cfg.model_config, "max_model_len", None),
             "enable_prefix_caching": cc.enable_prefix_caching,
+            # vLLM 0.33: tokens after each block that its hash covers (0: a block is hashed once full)
+            "hash_lookahead_tokens": int(getattr(sched, "num_hash_lookahead_tokens", 0) or 0),
             "enable_chunked_prefill": sc.enable_chunked_prefill,
             "data_parallel_rank": pc.data_parallel_rank,
             "data_parallel_size": pc.data_parallel_size,
