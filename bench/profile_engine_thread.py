@@ -1,0 +1,125 @@
+"""Where the engine thread's time goes, plain and under `kvtrace record`: a profile of one process.
+
+The GPU throughput benchmark (bench_gpu_throughput.py) measures what recording costs a host-bound
+model; this one says where. Each variant runs in its own process with vLLM's engine core in process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the scheduler, the host probes and the model runner on the one
+thread that calls `LLM.generate`), the same offline workload as the throughput benchmark (random token
+ids, `ignore_eos`, random weights), warmed up once, then `--reps` repetitions under cProfile. For each
+variant it prints the wall time per engine step, the profiled thread's own time in kvtrace's code
+(functions in files under `kvtrace/`, their self time: what the probes cost on the engine thread
+directly) and the functions that take the most self time. The recorder's background threads (ring
+drain, shard writer) are not profiled: their cost shows only as the engine thread's wall time beyond
+plain and beyond kvtrace's own functions (GIL hand-overs, caches).
+
+    python bench/profile_engine_thread.py --shape 1b --variants plain,default --out DIR   # on the GPU machine
+
+cProfile slows Python code by itself (every call is counted), so the figures compare variants with each
+other, not with the throughput benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_gpu_throughput as bgt  # noqa: E402  (its shapes, variants and model folders)
+
+
+def worker(args) -> None:
+    import random
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=args.input_len + args.output_len + 16, seed=0, gpu_memory_utilization=0.85,
+              disable_log_stats=False)
+    vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, detokenize=False, temperature=0.0)
+
+    def prompts(rep: int) -> list:
+        rng = random.Random(f"prompts-{rep}")
+        return [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(args.input_len)])
+                for _ in range(args.num_prompts)]
+
+    llm.generate(prompts(-1)[: max(1, args.num_prompts // 4)], params, use_tqdm=False)  # warm-up
+    batches = [prompts(rep) for rep in range(args.reps)]
+    steps0 = bgt.engine_steps(llm)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for batch in batches:
+        llm.generate(batch, params, use_tqdm=False)
+    prof.disable()
+    seconds = time.perf_counter() - t0
+    steps = (bgt.engine_steps(llm) or 0) - (steps0 or 0)
+    stats = pstats.Stats(prof)
+    total = sum(v[2] for v in stats.stats.values())  # self time of every function
+    # kvtrace's Python functions, and its C ones (the native row logs' methods name their type's module)
+    ours = {k: v for k, v in stats.stats.items() if f"{os.sep}kvtrace{os.sep}" in k[0] or "kvtrace" in k[2]}
+    ours_s = sum(v[2] for v in ours.values())
+    lines = [f"wall {seconds:.3f} s for {steps} engine steps: {1e3 * seconds / max(steps, 1):.3f} ms a step; "
+             f"profiled self time {total:.3f} s, of which kvtrace's functions {ours_s:.3f} s "
+             f"({1e3 * ours_s / max(steps, 1):.3f} ms a step)",
+             "kvtrace functions by self time (s, calls, file:line function):"]
+    for (path, line, name), v in sorted(ours.items(), key=lambda kv: -kv[1][2])[:25]:
+        lines.append(f"  {v[2]:8.3f} {v[1]:9d}  {path.split(os.sep + 'kvtrace' + os.sep)[-1]}:{line} {name}")
+    out = io.StringIO()
+    stats.stream = out
+    stats.sort_stats("tottime").print_stats(30)
+    lines += ["all functions by self time:", out.getvalue()[-12000:]]
+    Path(args.result).write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", default="1b", choices=sorted(bgt.SHAPES))
+    ap.add_argument("--variants", default="plain,default", help=f"comma-separated, of {', '.join(bgt.VARIANTS)}")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
+    ap.add_argument("--out", default="profile-engine-thread", help="folder for the reports")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    variants = [v for v in args.variants.split(",") if v]
+    if [v for v in variants if v not in bgt.VARIANTS]:
+        raise SystemExit(f"profile: unknown variant in {variants}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvtrace-profile-") as scratch:
+        model = bgt.write_model(Path(scratch) / "model", args.shape)
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        for v in variants:
+            result = out / f"{args.shape}-{v}.txt"
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", str(model), "--result",
+                   str(result), "--reps", str(args.reps), "--num-prompts", str(args.num_prompts),
+                   "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+            if bgt.VARIANTS[v] is not None:
+                cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(Path(scratch) / f"session-{v}"),
+                       *bgt.VARIANTS[v], "--", *cmd]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+            if proc.returncode != 0 or not result.exists():
+                raise SystemExit(f"profile: {v} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            said = [line for line in proc.stderr.splitlines() if line.startswith("kvtrace:")]
+            print(f"== {args.shape} {v}\n" + result.read_text().split("all functions by self time:")[0]
+                  + "\n".join(said[-3:]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
