@@ -111,13 +111,15 @@ class DrivenScheduler:
             self.sched.kv_event_publisher.publish = keep
 
     # ---- requests -----------------------------------------------------------------------------
-    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> Any:
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, **request_args: Any) -> Any:
+        """A request (`request_args`: more of vLLM's Request parameters, e.g. resumable=True for a
+        streaming-input session, whose next chunks are requests with the same id)."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         req = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=params,
-                      pooling_params=None, block_hasher=self.block_hasher)
+                      pooling_params=None, block_hasher=self.block_hasher, **request_args)
         self.sched.add_request(req)
         return req
 

@@ -381,6 +381,49 @@ def _scheduler_source() -> str:
     return inspect.getsource(scheduler)
 
 
+# ---- streaming-input sessions (resumable requests) ----------------------------------------------------
+def test_a_streaming_input_session_has_its_turns(drive):
+    """A resumable request is a session of turns: each turn's end is a `turn_end` row (the session goes
+    on, waiting for input), the next chunk an `input` row, and vLLM merging it into the session a
+    `queued` row with the whole prompt so far; the session's end (a chunk that is not resumable) is its
+    `finished` row. One arrival for the session; a first token per turn. (Without the streaming hook the
+    second chunk was a second arrival, and no row said where a turn ended.)"""
+    from vllm.v1.core.sched import scheduler
+
+    if not hasattr(scheduler.Scheduler, "_update_request_as_session"):
+        pytest.skip("this vLLM has no streaming-input sessions")
+    first = list(range(100, 164))  # 64 tokens
+
+    def scenario(d):
+        s = d.add("S", first, 2, resumable=True)
+        d.run()
+        waiting, outputs = s.status.name, [len(s.output_token_ids)]  # the turn's, until the next merges
+        d.add("S", list(range(200, 240)), 3, resumable=True)  # the next chunk: 40 tokens
+        d.run()
+        prompt_after = s.num_prompt_tokens
+        outputs.append(len(s.output_token_ids))
+        d.add("S", [1], 1)  # not resumable: the session ends
+        d.run()
+        return waiting, prompt_after, s.status.name, outputs
+
+    session, (waiting, prompt_after, end, outputs) = drive(DrivenConfig(num_blocks=64), scenario)
+    assert waiting == "WAITING_FOR_STREAMING_REQ" and end.startswith("FINISHED")
+    assert outputs[0] == 2 and outputs[1] > 0  # (0.27 stops a later turn after 2 tokens, 0.32 after 3)
+    events = [(r["event"], r["value"], r["reason"]) for r in rows(session, "request_events")]
+    # turn 1 kept its one computed output token (vLLM drops the last sampled one): 64 + 1 + 40
+    assert prompt_after == 105
+    assert events == [
+        ("arrival", 64, None), ("queued", 64, None), ("scheduled", 0, None), ("first_token", 1, None),
+        ("turn_end", 2, "length"),
+        # the session kept its blocks between turns: 65 tokens computed when its second turn is scheduled
+        ("input", 40, None), ("queued", 105, None), ("scheduled", 65, None), ("first_token", 1, None),
+        ("turn_end", outputs[1], "length"),
+        ("finished", outputs[1], "abort"),  # ended while waiting for input: its last turn's outputs
+    ], events
+    # ... so only its first turn looked up the prefix cache
+    assert [(r["query_tokens"], r["hit_tokens"]) for r in rows(session, "prefix_lookups")] == [(64, 0)]
+
+
 # ---- lookahead block hashes (vLLM 0.33, EAGLE-style drafting with prefix caching) ----------------------
 def test_lookahead_block_hashes_shift_full_blocks_as_vllm_hashes_them(drive):
     """With lookahead block hashes (L tokens after a block are part of its hash) vLLM hashes a block only

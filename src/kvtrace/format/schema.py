@@ -112,11 +112,15 @@ TABLES: dict[str, tuple[Column, ...]] = {
         _c("step", i64, "", "engine step id (current step when it happened)"),
         _c("request_id", s, "", "vLLM request id"),
         _c("event", s, "",
-           "arrival, queued, scheduled, first_token, preempted, resumed, finished"),
+           "arrival, queued, scheduled, first_token, preempted, resumed, finished; for a streaming-input "
+           "session (vLLM's resumable requests): turn_end (a turn stopped, the session goes on), input "
+           "(its next input chunk came), queued again when vLLM merged the chunk into it"),
         _c("value", i64, "",
-           "arrival: prompt tokens; finished: output tokens; preempted: computed tokens lost; "
-           "scheduled: cached (hit) tokens"),
-        _c("reason", s, "", "finished: finish reason (stop, length, abort, ...)"),
+           "arrival, queued: prompt tokens (a session queued again: its whole prompt so far, the kept "
+           "outputs included); input: the chunk's tokens; finished, turn_end: output tokens of the "
+           "request (of a session: of its last turn); preempted: computed tokens lost; scheduled: tokens "
+           "already computed (prefix-cache hits; a session's later turn: its own resident tokens)"),
+        _c("reason", s, "", "finished, turn_end: finish reason (stop, length, abort, ...)"),
     ),
     # KV block events (EngineCore), one row per call with the list of blocks it touched; ingest
     # unnests them to one row per block.

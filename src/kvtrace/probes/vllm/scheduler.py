@@ -86,6 +86,43 @@ ADMISSION_HOOK = Hook(
     ),
     required=False,
     lost="why admission stopped: kv-insuf and blocked are not told apart from the other reasons")
+# Streaming-input sessions (vLLM 0.26 and later; a `resumable` request): a turn that stops leaves the
+# request waiting for its next input chunk (`_handle_stopped_request` returns False) instead of
+# finishing; the next chunk comes as `add_request` with the same id and is merged into the session by
+# `_update_request_as_session`, which queues it again (0.33 re-enqueues it later, from
+# update_from_output). A vLLM without them has nothing to patch and loses nothing.
+STREAMING_HOOK = Hook(
+    "streaming", (
+        ((SCHED, "Scheduler._handle_stopped_request", ("request",)),
+         (SCHED, "Scheduler._update_request_as_session", ("session", "update"))),
+        (),
+    ),
+    required=False,
+    lost="streaming-input sessions: where a turn ends and the next is queued (turn_end, queued rows)")
+STREAMING_BODIES = {
+    "_handle_stopped_request": """
+    turn = None
+    if probe.enabled and request.resumable:
+        try:  # the turn's outputs before vLLM folds them into the session's prompt
+            turn = probe.turn_end_row(request)
+        except Exception as exc:
+            probe.fail(exc)
+    finished = {call}
+    if turn is not None and not finished:  # (a finished session gets its `finished` row instead)
+        probe.req_events.append(turn)
+    return finished""",
+    "_update_request_as_session": """
+    result = {call}
+    if probe.enabled:
+        try:
+            rid = session.request_id
+            probe.req_events.append((_now(), ctx.step, rid, "queued", session.num_prompt_tokens, None))
+            probe.awaiting_first_token.add(rid)  # the next turn's first token
+            probe.prefill_chunks.pop(rid, None)
+        except Exception as exc:
+            probe.fail(exc)
+    return result""",
+}
 ADMISSION_BODIES = (
     {"_handle_blocked_waiting_request": """
     ready = {call}
@@ -123,7 +160,7 @@ class SchedulerProbe(Probe):
 
     @classmethod
     def hooks(cls):
-        return [*super().hooks(), ADMISSION_HOOK]
+        return [*super().hooks(), ADMISSION_HOOK, STREAMING_HOOK]
 
     def install_patches(self) -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -273,13 +310,17 @@ class SchedulerProbe(Probe):
             rid = request.request_id
             step, prompt = ctx.step, request.num_prompt_tokens
             events = probe.req_events
-            # vLLM stamps arrival with time.time(); its age now, in wall time, is placed before our
-            # monotonic `t`. An offset taken once at start would drift with the wall clock (NTP slews
-            # it), putting arrivals after the rows they precede; a clock stepped back gives age 0.
-            age_ns = max(0, _wall_ns() - int(request.arrival_time * 1e9))
-            events.append((t - age_ns, step, rid, "arrival", prompt, None))
-            events.append((t, step, rid, "queued", prompt, None))
-            probe.awaiting_first_token.add(rid)
+            if rid in {self}.requests:  # a streaming-input session's next chunk (or its end: not resumable)
+                if getattr(request, "resumable", False):
+                    events.append((t, step, rid, "input", prompt, None))
+            else:
+                # vLLM stamps arrival with time.time(); its age now, in wall time, is placed before our
+                # monotonic `t`. An offset taken once at start would drift with the wall clock (NTP
+                # slews it), putting arrivals after the rows they precede; a clock stepped back gives 0.
+                age_ns = max(0, _wall_ns() - int(request.arrival_time * 1e9))
+                events.append((t - age_ns, step, rid, "arrival", prompt, None))
+                events.append((t, step, rid, "queued", prompt, None))
+                probe.awaiting_first_token.add(rid)
             if probe.token_rows is not None:  # only when the user asked (--record-tokens)
                 probe.token_rows.append((t, rid, "prompt", list(request.prompt_token_ids or ())))
         except Exception as exc:
@@ -305,6 +346,8 @@ class SchedulerProbe(Probe):
         admission = self.variant(ADMISSION_HOOK.name)
         if admission is not None:
             patch_exact(self, Scheduler, ADMISSION_BODIES[admission], env)
+        if self.variant(STREAMING_HOOK.name) == 0:
+            patch_exact(self, Scheduler, STREAMING_BODIES, env)
 
     def wrapper_env(self) -> dict:
         """The names the Scheduler wrappers' bodies use besides vLLM's parameters."""
@@ -540,6 +583,14 @@ class SchedulerProbe(Probe):
         outputs = len(request._output_token_ids) if _LENS else request.num_output_tokens
         self.preempts.append((t, ctx.step, rid, computed_before, blocks, outputs))
         self.req_events.append((t, ctx.step, rid, "preempted", computed_before, None))
+
+    def turn_end_row(self, request: Any) -> tuple:
+        """A streaming-input session's turn stopped (vLLM set its finish status; the session goes on):
+        the row, with the turn's output tokens and why it stopped."""
+        reason = request.get_finished_reason()
+        outputs = len(request._output_token_ids) if _LENS else request.num_output_tokens
+        return (_now(), ctx.step, request.request_id, "turn_end", outputs,
+                str(reason).split(".")[-1].lower() if reason is not None else request.status.name)
 
     def on_finished(self, sched: Any, request: Any) -> None:
         t = _now()
