@@ -388,9 +388,13 @@ def compare(dbs, out, fmt) -> None:
               "(a policy, e.g. TTL pinning; importable here, e.g. with PYTHONPATH).")
 @click.option("--sweep", default=None, help="SETTING=V1,V2,...: one replay per value into -o (a folder), "
                                             "with sweep.duckdb, a Parquet dataset, sweep.csv and a figure.")
+@click.option("--clock", type=click.Choice(["steps", "timed"]), default="steps", show_default=True,
+              help="steps: each request queued before the step it was in the recording (fast, exact at the "
+                   "recording's configuration); timed: arrivals at their recorded times and step times from "
+                   "a fit on the recording (runs as long as the run it predicts).")
 @click.option("--progress/--no-progress", default=None, help="Progress on stderr (default: when a terminal).")
 def replay(session, out, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-           prefix_caching, scheduler_cls, sweep, progress) -> None:
+           prefix_caching, scheduler_cls, sweep, clock, progress) -> None:
     """Run a recording's requests again through vLLM's own scheduler and KV cache manager (no model, CPU),
     at its configuration or another, recorded as a new session. Settings not given are the recording's.
 
@@ -408,6 +412,8 @@ def replay(session, out, num_blocks, block_size, max_num_seqs, max_num_batched_t
                  "enable_prefix_caching": prefix_caching, "scheduler_cls": scheduler_cls}
     show = sys.stderr.isatty() if progress is None else progress
     if sweep is not None:
+        if clock != "steps":
+            raise KvtraceError("--sweep replays with --clock steps (a timed sweep would take each run's time)")
         from kvtrace.replay.sweep import COLUMNS
         from kvtrace.replay.sweep import sweep as do_sweep
 
@@ -415,8 +421,9 @@ def replay(session, out, num_blocks, block_size, max_num_seqs, max_num_batched_t
         _print_rows([res["setting"], *COLUMNS[1:]], res["rows"], "table")
         click.echo(f"sessions, {Path(res['db']).name}, dataset/, sweep.csv, sweep.png -> {out}")
         return
-    r = do_replay(session, out, overrides, progress=show)
-    click.echo(f"replayed {r['requests']:,} requests of {session} in {r['steps']:,} engine steps -> {r['session_dir']}")
+    r = do_replay(session, out, overrides, progress=show, clock=clock)
+    click.echo(f"replayed {r['requests']:,} requests of {session} in {r['steps']:,} engine steps "
+               f"(clock {clock}) -> {r['session_dir']}")
     for rid, why in list(r["skipped"].items())[:5]:
         click.echo(f"  not replayed: {rid}: {why}")
     if len(r["skipped"]) > 5:

@@ -5,8 +5,12 @@ into a normal session.
     kvtrace replay run1 -o run1-1024 --num-blocks 1024
     kvtrace ingest run1 run1-1024 -o both.duckdb && kvtrace compare ...
 
-`--clock steps` (the only clock so far): each request is queued before the engine step it was queued
-before in the recording, so at the recording's own configuration the scheduler sees what it saw.
+`--clock steps` (the default): each request is queued before the engine step it was queued before in
+the recording, so at the recording's own configuration the scheduler sees what it saw. `--clock timed`:
+the replay runs in the recording's time: each request is queued at the first step boundary after its
+recorded arrival, and each step lasts what the recording's step-time model (clock.py) predicts for its
+scheduled tokens, so arrivals and the new configuration's step times interact (a replay takes as long as
+the run it predicts; a TTL policy waits in that time).
 Requests keep their ids, prompt and output lengths and the block-hash structure of their sequences
 (workload.py); the tokens are made up per distinct hash. docs/replay.md.
 """
@@ -68,9 +72,10 @@ def check_settings(s: SchedulerSettings, where: str) -> None:
 
 
 def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, Any] | None = None,
-           progress: bool = False, workload: Workload | None = None) -> dict[str, Any]:
+           progress: bool = False, workload: Workload | None = None, clock: str = "steps") -> dict[str, Any]:
     """Replay the recording at `session_dir` into a new session at `out_dir`; returns a short report.
-    `workload`: the recording's, when the caller has read it already (a sweep replays it many times)."""
+    `workload`: the recording's, when the caller has read it already (a sweep replays it many times).
+    `clock`: "steps" or "timed" (module docstring)."""
     from kvtrace.demo.model import ensure_tiny_model
     from kvtrace.probes import lifecycle
     from kvtrace.probes.vllm.kv_blocks import BlockPoolProbe, PrefixCacheProbe
@@ -86,6 +91,11 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
     if lookahead:  # its prompts' block-hash structure is not the one the replay's hasher would make
         raise KvtraceError(f"{session_dir}: recorded with vLLM's lookahead block hashes (hash_lookahead_tokens "
                            f"{lookahead}, EAGLE-style drafting); replaying those is not supported yet")
+    if clock not in ("steps", "timed"):
+        raise KvtraceError(f"--clock {clock}: steps or timed")
+    if clock == "timed" and w.step_time is None:
+        raise KvtraceError(f"{session_dir}: fewer than three finished steps with tokens: no step times to fit "
+                           "for --clock timed")
     s = settings_for(w, overrides or {})
     check_settings(s, f"{session_dir}")
     too_long = [r.request_id for r in w.requests if r.prompt_tokens + r.output_tokens > s.max_model_len]
@@ -96,7 +106,9 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
         from kvtrace.replay.engine import load_scheduler_cls
 
         load_scheduler_cls(s.scheduler_cls)  # refused before anything is written
-    options = {"replay_of": w.session_id, "replay_settings": vars(s)}
+    options = {"replay_of": w.session_id, "replay_settings": vars(s), "replay_clock": clock}
+    if clock == "timed":
+        options["replay_step_time"] = vars(w.step_time)
     out, _ = prepare_session(out_dir, ["kvtrace", "replay", str(session_dir)], options)
     rec = Recorder(out, "engine", options)
     probes = []
@@ -108,13 +120,13 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
             raise KvtraceError(f"replay: {exc}") from None
         engine = ReplayEngine(str(ensure_tiny_model()), s)
         with as_process_recorder(rec):  # a --scheduler-cls policy's kvtrace.probes.pins calls land here
-            _run(engine, w, s, session_dir, progress)
+            (_run_timed if clock == "timed" else _run)(engine, w, s, session_dir, progress)
     finally:
         lifecycle.uninstall(probes)
         rec.close()
     finalize_session(out, 0)
     return {"session_dir": str(out), "requests": len(w.requests), "steps": engine.steps, "skipped": w.skipped,
-            "settings": vars(s), "pid": os.getpid()}
+            "settings": vars(s), "pid": os.getpid(), "clock": clock}
 
 
 # An empty step is not a stall for a policy that waits on time (a TTL pin keeps blocks a while): the
@@ -140,5 +152,53 @@ def _run(engine: ReplayEngine, w: Workload, s: SchedulerSettings, session_dir: s
                                f"{engine.steps:,}, {len(engine.sched.waiting)} request(s) waiting); stopped")
         if progress and engine.steps % 500 == 0:
             print(f"\rreplay: step {engine.steps:,}, {i:,}/{n:,} requests queued", end="", file=sys.stderr)
+    if progress:
+        print(file=sys.stderr)
+
+
+def _run_timed(engine: ReplayEngine, w: Workload, s: SchedulerSettings, session_dir: str | Path,
+               progress: bool) -> None:
+    """Queue the recorded requests at their recorded times (`--clock timed`) and pace each step to the
+    recording's step-time model: the forward pass vLLM's scheduler would wait for (there is no model
+    here) is waited out between schedule() and update_from_output(), and the gap to the next step after
+    it, so everything the probes stamp is in the predicted run's time."""
+    model = w.step_time
+    assert model is not None
+    pending = sorted(w.requests, key=lambda r: r.queued_ns)
+    i, n = 0, len(pending)
+    start = time.monotonic_ns()
+    progressed = time.monotonic()
+
+    def wait_until(t_ns: float) -> None:
+        left = t_ns - time.monotonic_ns()
+        if left > 0:
+            time.sleep(left / 1e9)
+
+    def forward(out: Any) -> None:  # a step's duration, predicted from its tokens, from schedule() on
+        tokens = out.total_num_scheduled_tokens
+        # a decoding request is scheduled one token a step (no speculative decoding in a replay)
+        prefill = sum(n for n in out.num_scheduled_tokens.values() if n > 1)
+        wait_until(t + model.period_ns(prefill, tokens - prefill) - model.gap_ns)
+
+    while i < n or engine.has_work():
+        now = time.monotonic_ns() - start
+        if i < n and not engine.has_work() and pending[i].queued_ns > now:  # idle until the next arrival
+            time.sleep((pending[i].queued_ns - now) / 1e9)
+            now = time.monotonic_ns() - start
+        while i < n and pending[i].queued_ns <= now:
+            r = pending[i]
+            engine.add(r.request_id, sequence(r, s.block_size, VOCAB), r.prompt_tokens, r.output_tokens)
+            i += 1
+        t = time.monotonic_ns()
+        scheduled = engine.step(forward)
+        if scheduled.total_num_scheduled_tokens or scheduled.finished_req_ids:
+            progressed = time.monotonic()
+        elif time.monotonic() - progressed > STALL_S:
+            raise KvtraceError(f"{session_dir}: the scheduler scheduled nothing for {STALL_S:.0f} s (step "
+                               f"{engine.steps:,}, {len(engine.sched.waiting)} request(s) waiting); stopped")
+        wait_until(time.monotonic_ns() + model.gap_ns)
+        if progress and engine.steps % 100 == 0:
+            print(f"\rreplay: step {engine.steps:,}, {i:,}/{n:,} requests queued, "
+                  f"{(time.monotonic_ns() - start) / 1e9:.1f} s", end="", file=sys.stderr)
     if progress:
         print(file=sys.stderr)

@@ -124,12 +124,15 @@ class ReplayEngine:
                                        sampling_params=params, pooling_params=None,
                                        block_hasher=self.block_hasher))
 
-    def step(self) -> Any:
-        """One engine step; returns the SchedulerOutput."""
+    def step(self, forward: Any = None) -> Any:
+        """One engine step; returns the SchedulerOutput. `forward(scheduler_output)` runs where the model
+        would, between schedule() and update_from_output() (--clock timed waits there)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         sched = self.sched
         out = sched.schedule()
+        if forward is not None:
+            forward(out)
         requests = sched.requests
         req_ids = list(out.num_scheduled_tokens)
         sampled = []

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtrace.errors import KvtraceError
+from kvtrace.replay.clock import StepTime, fit_step_time
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ReplayRequest:
     prompt_tokens: int
     output_tokens: int
     chain: dict[int, int] = field(default_factory=dict)  # block position -> hash (int64 prefix)
+    queued_ns: int = 0  # when it was queued, after the recording's start (its first step or request)
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Workload:
     engine: dict  # the recording's engine config (block size, pool, budgets)
     session_id: str
     skipped: dict[str, str] = field(default_factory=dict)  # request -> why it is not replayed
+    step_time: StepTime | None = None  # the recording's step-time model (--clock timed)
 
 
 def _rows(session_dir: Path, table: str) -> list[dict]:
@@ -74,10 +77,14 @@ def read_workload(session_dir: str | Path) -> Workload:
     blocks = _rows(session_dir, "block_events")  # recording order: the order vLLM made the calls
     reqs: dict[str, ReplayRequest] = {}
     skipped: dict[str, str] = {}
+    steps = _rows(session_dir, "steps")
+    starts = [r["t_start_ns"] for r in steps if r.get("t_start_ns") is not None]
+    queued = [e["ts_ns"] for e in events if e["event"] == "queued"]
+    t0 = min(starts + queued, default=0)
     for e in events:
         rid = e["request_id"]
         if e["event"] == "queued" and rid not in reqs:
-            reqs[rid] = ReplayRequest(rid, int(e["step"]), int(e["value"] or 0), -1)
+            reqs[rid] = ReplayRequest(rid, int(e["step"]), int(e["value"] or 0), -1, queued_ns=int(e["ts_ns"]) - t0)
         elif e["event"] == "finished" and rid in reqs:
             reqs[rid].output_tokens = int(e["value"] or 0)
     for rid, r in list(reqs.items()):
@@ -91,7 +98,8 @@ def read_workload(session_dir: str | Path) -> Workload:
     _chains(reqs, lookups, blocks)
     # The order vLLM queued them in (dicts keep insertion order: the first `queued` row of each).
     ordered = sorted(reqs.values(), key=lambda r: r.queued_step)
-    return Workload(ordered, engine, str(session.manifest.get("session_id") or session_dir.name), skipped)
+    return Workload(ordered, engine, str(session.manifest.get("session_id") or session_dir.name), skipped,
+                    fit_step_time(steps))
 
 
 def _chains(reqs: dict[str, ReplayRequest], lookups: list[dict], blocks: list[dict]) -> None:
