@@ -384,6 +384,9 @@ def compare(dbs, out, fmt) -> None:
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget of a step.")
 @click.option("--max-model-len", type=int, default=None, help="Longest sequence (tokens).")
 @click.option("--prefix-caching/--no-prefix-caching", default=None, help="Automatic prefix caching on or off.")
+@click.option("--cpu-offload-gib", type=float, default=None,
+              help="A CPU offload tier of this many GiB (vLLM's SimpleCPUOffloadConnector; copies finish within "
+                   "the step that starts them).")
 @click.option("--scheduler-cls", default=None, help="module.Class of a vLLM Scheduler subclass to replay with "
               "(a policy, e.g. TTL pinning; importable here, e.g. with PYTHONPATH).")
 @click.option("--sweep", default=None, help="SETTING=V1,V2,...: one replay per value into -o (a folder), "
@@ -394,7 +397,7 @@ def compare(dbs, out, fmt) -> None:
                    "a fit on the recording (runs as long as the run it predicts).")
 @click.option("--progress/--no-progress", default=None, help="Progress on stderr (default: when a terminal).")
 def replay(session, out, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-           prefix_caching, scheduler_cls, sweep, clock, progress) -> None:
+           prefix_caching, cpu_offload_gib, scheduler_cls, sweep, clock, progress) -> None:
     """Run a recording's requests again through vLLM's own scheduler and KV cache manager (no model, CPU),
     at its configuration or another, recorded as a new session. Settings not given are the recording's.
 
@@ -403,13 +406,17 @@ def replay(session, out, num_blocks, block_size, max_num_seqs, max_num_batched_t
     kvtrace ingest run1 run1-64 -o both.duckdb && kvtrace query both.duckdb summary
     kvtrace replay run1 --sweep num-blocks=34,40,64,128 -o sweep/
     kvtrace replay run1 -o run1-pinned --scheduler-cls my_policies.PinningScheduler
+    kvtrace replay run1 -o run1-offload --num-blocks 34 --cpu-offload-gib 0.05
     """
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's config messages are not this command's output
     from kvtrace.replay import replay as do_replay
 
     overrides = {"num_blocks": num_blocks, "block_size": block_size, "max_num_seqs": max_num_seqs,
                  "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
-                 "enable_prefix_caching": prefix_caching, "scheduler_cls": scheduler_cls}
+                 "enable_prefix_caching": prefix_caching, "scheduler_cls": scheduler_cls,
+                 "cpu_offload_bytes": None if cpu_offload_gib is None else int(cpu_offload_gib * (1 << 30))}
+    if cpu_offload_gib is not None and not 0 < cpu_offload_gib <= 1 << 20:
+        raise KvtraceError(f"--cpu-offload-gib {cpu_offload_gib}: a size in GiB above 0")
     show = sys.stderr.isatty() if progress is None else progress
     if sweep is not None:
         if clock != "steps":

@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtrace.replay.offload import instant_offload_output
+
 VOCAB = 512  # the tiny model's vocabulary
 
 
@@ -158,28 +160,6 @@ class DrivenScheduler:
             self.step()
             n += 1
         return n
-
-
-def instant_offload_output(meta: Any, transfers: dict[str, int]) -> Any:
-    """What SimpleCPUOffloadConnector's workers would report for the step whose metadata is `meta`, had
-    each transfer finished within the step: the step's load event done for its requests, its store
-    event done (one worker). None for any other metadata. Counts the blocks moved in `transfers`."""
-    try:
-        from vllm.v1.outputs import KVConnectorOutput
-        from vllm.v1.simple_kv_offload.metadata import (
-            SimpleCPUOffloadMetadata,
-            SimpleCPUOffloadWorkerMetadata,
-        )
-    except ImportError:  # a vLLM without it
-        return None
-    if not isinstance(meta, SimpleCPUOffloadMetadata):
-        return None
-    transfers["loaded_blocks"] += len(meta.load_cpu_blocks)
-    transfers["stored_blocks"] += len(meta.store_cpu_blocks)
-    loaded = set(meta.load_event_to_reqs.get(meta.load_event, ())) if meta.load_event >= 0 else set()
-    stored = {meta.store_event: 1} if meta.store_event >= 0 else {}
-    return KVConnectorOutput(finished_recving=loaded or None,
-                             kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(completed_store_events=stored))
 
 
 def shared_prefix_prompts(n: int, groups: int, prefix_tokens: int, suffix_tokens: int,

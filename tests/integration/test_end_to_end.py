@@ -227,3 +227,10 @@ def test_vllm_serve_recorded_and_stopped_with_sigint(tiny_model, tmp_path):
                                        "prefix_lookups) from requests")
     assert requests == 4 and finished == 4
     assert hits > 0  # the three prompts share a long prefix
+    # ... and `kvtrace replay` of the server's recording at its own configuration is the run again
+    run_kvtrace("replay", str(session), "-o", str(tmp_path / "again"))
+    run_kvtrace("ingest", str(tmp_path / "again"), "-o", str(tmp_path / "again.duckdb"))
+    counts = ("select count(*), count(finish_ns), sum(output_tokens) from requests",
+              "select sum(query_tokens), sum(hit_tokens) from prefix_lookups",
+              "select count(*) from steps where scheduled_tokens > 0")
+    assert [q(tmp_path / "again.duckdb", sql) for sql in counts] == [q(db, sql) for sql in counts]

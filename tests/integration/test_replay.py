@@ -134,6 +134,34 @@ def test_a_timed_replay_keeps_the_recordings_times(recorded_run, tmp_path):
     assert options["replay_clock"] == "timed" and options["replay_step_time"]["steps"] > 3
 
 
+def test_a_cpu_offload_tier_keeps_what_a_small_pool_evicts(recorded_run, tmp_path):
+    """--cpu-offload-gib adds vLLM's SimpleCPUOffloadConnector (its scheduler side, with copies that
+    finish within their step): at a pool too small to keep the jobs' histories between turns, blocks
+    stored to the CPU come back as external prefix hits, recorded like a real offload run's scheduler
+    side (the CPU pool in offload_block_events only, the connector's match and alloc rows in transfers),
+    and the local + external hits exceed the plain replay's at the same pool."""
+    session = str(recorded_run["session"])
+    for name, extra in (("plain", []), ("offload", ["--cpu-offload-gib", "0.02"])):
+        run_kvtrace("replay", session, "-o", str(tmp_path / name), "--num-blocks", "34", *extra)
+        run_kvtrace("ingest", str(tmp_path / name), "-o", str(tmp_path / f"{name}.duckdb"))
+    hits = "select sum(hit_tokens), coalesce(sum(external_hit_tokens), 0) from prefix_lookups"
+    (local_p, ext_p), = query(tmp_path / "plain.duckdb", hits)
+    (local_o, ext_o), = query(tmp_path / "offload.duckdb", hits)
+    assert ext_p == 0 and ext_o > 0 and local_o + ext_o > local_p, (local_p, ext_p, local_o, ext_o)
+    db = tmp_path / "offload.duckdb"
+    (pools,), = query(db, "select list(distinct pool) from offload_block_events")
+    assert len(pools) == 1
+    (gpu_max,), = query(db, "select max(block_id) from block_events")
+    assert gpu_max < 34
+    (stored,), = query(db, "select count(*) from offload_block_events where event = 'alloc'")
+    assert stored > 0  # CPU blocks taken for stores
+    # the connector's scheduler side, as in a real run (no worker here: no save/load rows)
+    directions = dict(query(db, "select direction, count(*) from transfers group by all"))
+    assert directions.get("match", 0) > 0 and directions.get("alloc", 0) > 0, directions
+    (requests,), = query(db, "select count(finish_ns) from requests")
+    assert requests == 18
+
+
 def test_a_sweep_writes_one_session_per_value_a_dataset_a_table_and_a_figure(recorded_run, tmp_path):
     out = tmp_path / "sweep"
     proc = run_kvtrace("replay", str(recorded_run["session"]), "--sweep", "num-blocks=34,64", "-o", str(out))

@@ -27,7 +27,7 @@ from kvtrace.errors import KvtraceError
 from kvtrace.replay.engine import VOCAB, ReplayEngine, SchedulerSettings
 from kvtrace.replay.workload import Workload, read_workload, sequence
 
-HOST_PROBES = ("scheduler", "kv_blocks", "prefix_cache")
+HOST_PROBES = ("scheduler", "kv_blocks", "prefix_cache")  # and "connector" with an offload tier
 
 
 def settings_for(w: Workload, overrides: dict[str, Any]) -> SchedulerSettings:
@@ -78,6 +78,7 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
     `clock`: "steps" or "timed" (module docstring)."""
     from kvtrace.demo.model import ensure_tiny_model
     from kvtrace.probes import lifecycle
+    from kvtrace.probes.vllm.connector import ConnectorProbe
     from kvtrace.probes.vllm.kv_blocks import BlockPoolProbe, PrefixCacheProbe
     from kvtrace.probes.vllm.scheduler import SchedulerProbe
     from kvtrace.record.context import ctx
@@ -115,7 +116,8 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
     ctx.step, ctx.request_id, ctx.connector = 0, None, None
     try:
         try:
-            probes = lifecycle.install_classes(rec, [SchedulerProbe, BlockPoolProbe, PrefixCacheProbe])
+            probes = lifecycle.install_classes(rec, [SchedulerProbe, BlockPoolProbe, PrefixCacheProbe]
+                                               + ([ConnectorProbe] if s.cpu_offload_bytes else []))
         except RuntimeError as exc:  # this vLLM lacks what a replay records with
             raise KvtraceError(f"replay: {exc}") from None
         engine = ReplayEngine(str(ensure_tiny_model()), s)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrace.errors import KvtraceError
+from kvtrace.replay.offload import instant_offload_output
 
 VOCAB = 512  # the tiny model's vocabulary
 
@@ -32,6 +33,8 @@ class SchedulerSettings:
     # "module.Class" of a vLLM Scheduler subclass (a policy), importable here; None: vLLM's own. Never
     # taken from the recording: the command line names the code it runs.
     scheduler_cls: str | None = None
+    # Bytes of a CPU offload tier (vLLM's SimpleCPUOffloadConnector, offload.py); None: none.
+    cpu_offload_bytes: int | None = None
 
 
 def load_scheduler_cls(path: str) -> type:
@@ -98,10 +101,17 @@ class ReplayEngine:
         # The tiny model's config says 4,096 positions; the recorded model's max_model_len may be longer.
         # No model runs here, so vLLM's check of positions against the weights does not apply.
         os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+        extra = {}
+        if s.cpu_offload_bytes:
+            from vllm.config import KVTransferConfig
+
+            extra["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                kv_connector_extra_config={"cpu_bytes_to_use": s.cpu_offload_bytes})
         args = EngineArgs(model=model_dir, dtype="float32", max_model_len=s.max_model_len, block_size=s.block_size,
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                           enable_prefix_caching=s.enable_prefix_caching, enforce_eager=True,
-                          num_gpu_blocks_override=s.num_blocks, seed=0)
+                          num_gpu_blocks_override=s.num_blocks, seed=0, **extra)
         try:
             config = args.create_engine_config()
         except Exception as exc:  # vLLM's own checks of the settings (pydantic, ValueError)
@@ -109,7 +119,10 @@ class ReplayEngine:
             why = why.split("Value error, ")[-1][:240]
             raise KvtraceError(f"vLLM refuses these scheduler settings ({vars(s)}): {why}") from None
         cls = load_scheduler_cls(s.scheduler_cls) if s.scheduler_cls else None
-        self.sched, self.block_hasher = build_scheduler(config, s.block_size, s.num_blocks, scheduler_cls=cls)
+        # (the offload connector sizes its CPU pool from the worker's KV tensors: describe them)
+        self.sched, self.block_hasher = build_scheduler(config, s.block_size, s.num_blocks, scheduler_cls=cls,
+                                                        with_tensors=bool(s.cpu_offload_bytes))
+        self.transfers = {"stored_blocks": 0, "loaded_blocks": 0}  # blocks the offload tier moved
         self.sequences: dict[str, list[int]] = {}  # request -> prompt + output tokens
         self.prompt_len: dict[str, int] = {}
         self.steps = 0
@@ -144,7 +157,8 @@ class ReplayEngine:
             seq, n = self.sequences[rid], self.prompt_len[rid] + req.num_output_tokens
             sampled.append([seq[n] if n < len(seq) else 0])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
+                                sampled_token_ids=sampled,
+                                kv_connector_output=instant_offload_output(out.kv_connector_metadata, self.transfers))
         sched.update_from_output(out, mro)
         self.steps += 1
         return out
