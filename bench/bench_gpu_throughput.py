@@ -103,24 +103,31 @@ def engine_steps(llm) -> int | None:
     return None
 
 
-def worker(args) -> None:
+def warm_engine(model: str, input_len: int, output_len: int, num_prompts: int, dtype: str = "bfloat16",
+                memory: float = 0.85, engine_args: dict | None = None) -> tuple:
+    """(LLM with random weights, its SamplingParams, prompts(rep) -> the repetition's prompts), warmed up
+    once: the workload every process of both GPU benchmarks runs (profile_engine_thread.py too)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine_args = dict(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
-                       max_model_len=args.input_len + args.output_len + 16, seed=0,
-                       gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=False,
-                       **json.loads(args.engine_args))
-    llm = LLM(**engine_args)
-    vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, detokenize=False, temperature=0.0)
+    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
+              max_model_len=input_len + output_len + 16, seed=0, gpu_memory_utilization=memory,
+              disable_log_stats=False, **(engine_args or {}))
+    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, detokenize=False, temperature=0.0)
 
     def prompts(rep: int) -> list:
         rng = random.Random(f"prompts-{rep}")
-        return [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(args.input_len)])
-                for _ in range(args.num_prompts)]
+        return [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(input_len)])
+                for _ in range(num_prompts)]
 
-    llm.generate(prompts(-1)[: max(1, args.num_prompts // 4)], params, use_tqdm=False)  # warm-up
+    llm.generate(prompts(-1)[: max(1, num_prompts // 4)], params, use_tqdm=False)  # warm-up
+    return llm, params, prompts
+
+
+def worker(args) -> None:
+    llm, params, prompts = warm_engine(args.model, args.input_len, args.output_len, args.num_prompts, args.dtype,
+                                       args.gpu_memory_utilization, json.loads(args.engine_args))
     turns = Path(args.turns) if args.turns else None
     if turns:
         (turns / "ready").touch()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import subprocess
@@ -36,23 +35,7 @@ import bench_gpu_throughput as bgt  # noqa: E402  (its shapes, variants and mode
 
 
 def worker(args) -> None:
-    import random
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=args.input_len + args.output_len + 16, seed=0, gpu_memory_utilization=0.85,
-              disable_log_stats=False)
-    vocab = json.loads(Path(args.model, "config.json").read_text())["vocab_size"]
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, detokenize=False, temperature=0.0)
-
-    def prompts(rep: int) -> list:
-        rng = random.Random(f"prompts-{rep}")
-        return [TokensPrompt(prompt_token_ids=[rng.randrange(3, vocab) for _ in range(args.input_len)])
-                for _ in range(args.num_prompts)]
-
-    llm.generate(prompts(-1)[: max(1, args.num_prompts // 4)], params, use_tqdm=False)  # warm-up
+    llm, params, prompts = bgt.warm_engine(args.model, args.input_len, args.output_len, args.num_prompts)
     batches = [prompts(rep) for rep in range(args.reps)]
     steps0 = bgt.engine_steps(llm)
     prof = cProfile.Profile()
