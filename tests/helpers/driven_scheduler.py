@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtrace.replay.offload import instant_offload_output
+from kvtrace.replay.offload import instant_offload_output, offload_transfer_config
 
 VOCAB = 512  # the tiny model's vocabulary
 
@@ -60,11 +60,7 @@ def vllm_config(model: str, cfg: DrivenConfig):
 
         extra = dict(cfg.extra)
         if cfg.cpu_offload_bytes is not None:
-            from vllm.config import KVTransferConfig
-
-            extra["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
-                kv_connector_extra_config={"cpu_bytes_to_use": cfg.cpu_offload_bytes})
+            extra["kv_transfer_config"] = offload_transfer_config(cfg.cpu_offload_bytes)
         args = EngineArgs(model=model, dtype="float32", max_model_len=cfg.max_model_len,
                           block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                           max_num_batched_tokens=cfg.max_num_batched_tokens,

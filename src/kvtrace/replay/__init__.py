@@ -136,6 +136,17 @@ def replay(session_dir: str | Path, out_dir: str | Path, overrides: dict[str, An
 STALL_S = 10.0
 
 
+def _check_stall(engine: ReplayEngine, scheduled: Any, progressed: float, session_dir: str | Path) -> float:
+    """When the replay last made progress (time.monotonic()), given the step just run; a one-line error
+    once its scheduler has scheduled nothing for STALL_S."""
+    if scheduled.num_scheduled_tokens or scheduled.finished_req_ids:
+        return time.monotonic()
+    if time.monotonic() - progressed > STALL_S:
+        raise KvtraceError(f"{session_dir}: the scheduler scheduled nothing for {STALL_S:.0f} s (step "
+                           f"{engine.steps:,}, {len(engine.sched.waiting)} request(s) waiting); stopped")
+    return progressed
+
+
 def _run(engine: ReplayEngine, w: Workload, s: SchedulerSettings, session_dir: str | Path, progress: bool) -> None:
     """Queue the recorded requests by their step (`--clock steps`) and step the engine until all are done."""
     pending, i, n = w.requests, 0, len(w.requests)
@@ -147,11 +158,7 @@ def _run(engine: ReplayEngine, w: Workload, s: SchedulerSettings, session_dir: s
             engine.add(r.request_id, sequence(r, s.block_size, VOCAB), r.prompt_tokens, r.output_tokens)
             i += 1
         scheduled = engine.step()
-        if scheduled.num_scheduled_tokens or scheduled.finished_req_ids:
-            progressed = time.monotonic()
-        elif time.monotonic() - progressed > STALL_S:
-            raise KvtraceError(f"{session_dir}: the scheduler scheduled nothing for {STALL_S:.0f} s (step "
-                               f"{engine.steps:,}, {len(engine.sched.waiting)} request(s) waiting); stopped")
+        progressed = _check_stall(engine, scheduled, progressed, session_dir)
         if progress and engine.steps % 500 == 0:
             print(f"\rreplay: step {engine.steps:,}, {i:,}/{n:,} requests queued", end="", file=sys.stderr)
     if progress:
@@ -180,7 +187,7 @@ def _run_timed(engine: ReplayEngine, w: Workload, s: SchedulerSettings, session_
         tokens = out.total_num_scheduled_tokens
         # a decoding request is scheduled one token a step (no speculative decoding in a replay)
         prefill = sum(n for n in out.num_scheduled_tokens.values() if n > 1)
-        wait_until(t + model.period_ns(prefill, tokens - prefill) - model.gap_ns)
+        wait_until(t + model.step_ns(prefill, tokens - prefill))
 
     while i < n or engine.has_work():
         now = time.monotonic_ns() - start
@@ -193,11 +200,7 @@ def _run_timed(engine: ReplayEngine, w: Workload, s: SchedulerSettings, session_
             i += 1
         t = time.monotonic_ns()
         scheduled = engine.step(forward)
-        if scheduled.total_num_scheduled_tokens or scheduled.finished_req_ids:
-            progressed = time.monotonic()
-        elif time.monotonic() - progressed > STALL_S:
-            raise KvtraceError(f"{session_dir}: the scheduler scheduled nothing for {STALL_S:.0f} s (step "
-                               f"{engine.steps:,}, {len(engine.sched.waiting)} request(s) waiting); stopped")
+        progressed = _check_stall(engine, scheduled, progressed, session_dir)
         wait_until(time.monotonic_ns() + model.gap_ns)
         if progress and engine.steps % 100 == 0:
             print(f"\rreplay: step {engine.steps:,}, {i:,}/{n:,} requests queued, "

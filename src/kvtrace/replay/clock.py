@@ -8,8 +8,8 @@ differently: one slope underestimates prefill steps). A cost the fit makes negat
 rest fitted again; steps far slower than the fit (the first passes of new shapes, which compile or
 warm caches, took 10-17x a later step of the same size on the CPU build; stalls) are left out and the
 rest fitted again. Only slow ones: a minority of cheap steps (a few prefills among many decodes) is what
-the per-token costs are fitted from. The gap between one step's end and the next one's start, while the engine had
-work, is the median of the recording's gaps between consecutive steps.
+the per-token costs are fitted from. The gap between one step's end and the next one's start, while the
+engine had work, is the median of the recording's gaps between consecutive steps.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ class StepTime:
     steps: int  # fitted on (outliers left out)
     r2: float
 
-    def period_ns(self, prefill_tokens: int, decode_tokens: int) -> float:
-        """Predicted time from a step's start to the next one's."""
-        return (self.intercept_ns + self.prefill_token_ns * prefill_tokens + self.decode_token_ns * decode_tokens
-                + self.gap_ns)
+    def step_ns(self, prefill_tokens: int, decode_tokens: int) -> float:
+        """Predicted duration of a step (schedule() entered -> update_from_output() returned)."""
+        return self.intercept_ns + self.prefill_token_ns * prefill_tokens + self.decode_token_ns * decode_tokens
 
 
 def fit_step_time(rows: list[dict]) -> StepTime | None:

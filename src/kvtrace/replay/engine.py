@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrace.errors import KvtraceError
-from kvtrace.replay.offload import instant_offload_output
+from kvtrace.replay.offload import instant_offload_output, offload_transfer_config
 
 VOCAB = 512  # the tiny model's vocabulary
 
@@ -101,13 +101,7 @@ class ReplayEngine:
         # The tiny model's config says 4,096 positions; the recorded model's max_model_len may be longer.
         # No model runs here, so vLLM's check of positions against the weights does not apply.
         os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-        extra = {}
-        if s.cpu_offload_bytes:
-            from vllm.config import KVTransferConfig
-
-            extra["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
-                kv_connector_extra_config={"cpu_bytes_to_use": s.cpu_offload_bytes})
+        extra = {"kv_transfer_config": offload_transfer_config(s.cpu_offload_bytes)} if s.cpu_offload_bytes else {}
         args = EngineArgs(model=model_dir, dtype="float32", max_model_len=s.max_model_len, block_size=s.block_size,
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                           enable_prefix_caching=s.enable_prefix_caching, enforce_eager=True,

@@ -9,6 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 
+def offload_transfer_config(cpu_bytes: int) -> Any:
+    """vLLM's KVTransferConfig for a SimpleCPUOffloadConnector tier of `cpu_bytes` (an engine argument)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
+                            kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes})
+
+
 def instant_offload_output(meta: Any, transfers: dict[str, int]) -> Any:
     """What SimpleCPUOffloadConnector's workers would report for the step whose metadata is `meta`, had
     each transfer finished within the step: the step's load event done for its requests, its store
