@@ -3,6 +3,8 @@
 # machine's image, unpacked into one folder and packed as pieces that each fit one device call.
 #
 #   bash scripts/gpu/pack_vllm.sh            # -> .gpu/p0/part.00, .gpu/p1/part.01, .gpu/p2/part.02
+#   WITH_FLASHINFER=1 bash scripts/gpu/pack_vllm.sh   # and .gpu/pflashinfer/: FlashInfer's wheel, for the
+#                                            # FlashInfer case (it compiles its kernels at first use: minutes)
 #
 # The GPU machine has no registry access and takes at most 64 MiB per call (working tree included), but
 # files it writes outside the working tree survive between calls while it stays warm. So: one call per
@@ -46,6 +48,14 @@ for part in "$OUT"/part.*; do
     mkdir -p "$OUT/p$i" && mv "$part" "$OUT/p$i/"
     i=$((i + 1))
 done
+if [ "${WITH_FLASHINFER:-0}" = 1 ]; then
+    # The version vLLM pins; it imports with what the GPU image has, and JIT-compiles its kernels with
+    # the image's nvcc and ninja. setup.sh installs it when it finds the wheel in /tmp/stage.
+    mkdir -p "$OUT/pflashinfer"
+    python3 -m pip download -q --no-deps --only-binary=:all: -d "$OUT/pflashinfer" \
+        "flashinfer-python==$(unzip -p "$WORK"/wheels/vllm-*.whl '*/METADATA' | sed -n 's/^Requires-Dist: flashinfer-python==\([^ ;]*\).*/\1/p')" \
+        >>"$WORK/download.log" 2>&1 || { echo "pack: flashinfer-python did not download" >&2; exit 1; }
+fi
 grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 ls -la "$OUT"/p*/ >&2
 echo "pack: $i pieces in $OUT (carry each as its own call: .gpu/p0 ... .gpu/p$((i - 1)))" >&2

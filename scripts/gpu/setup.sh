@@ -13,6 +13,10 @@ if [ ! -d "$SITE/vllm" ] && ls "$STAGE"/part.* >/dev/null 2>&1; then
     echo "setup: unpacking $(cat "$STAGE"/part.* | wc -c) bytes" >&2
     cat "$STAGE"/part.* | xz -d | tar x -C /tmp || { echo "setup: the pieces do not unpack" >&2; exit 2; }
 fi
+# FlashInfer, where its wheel was staged too (pack_vllm.sh with WITH_FLASHINFER=1): pure Python
+for whl in "$STAGE"/flashinfer_python-*.whl; do
+    [ -f "$whl" ] && [ ! -d "$SITE/flashinfer" ] && python3 -m zipfile -e "$whl" "$SITE/"
+done
 [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export KVTRACE_GPU_OUT="$OUT"

@@ -14,6 +14,7 @@ Skipped without CUDA or without vLLM's CUDA build. On the GPU machine: `bash scr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -70,6 +71,8 @@ CASES = [
     ("v2-full-triton", {"compilation_config": {"cudagraph_mode": "FULL"},
                         "attention_config": {"backend": "TRITON_ATTN"}}, {}),
     ("v2-default-flex", {"attention_config": {"backend": "FLEX_ATTENTION"}}, {}),
+    # FlashInfer plans the batch into its kernels' wrappers: read through its builder, as MLA is
+    ("v2-default-flashinfer", {"attention_config": {"backend": "FLASHINFER"}}, {}),
     ("v1-default-flash", {"attention_config": {"backend": "FLASH_ATTN"}}, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     ("v1-eager-flash", {"enforce_eager": True, "attention_config": {"backend": "FLASH_ATTN"}},
      {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
@@ -87,14 +90,15 @@ def model(tmp_path_factory) -> str:
     return str(ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny4", layers=LAYERS))
 
 
-def record(tmp: Path, name: str, model: str, engine_args: dict, env: dict, record_args: list[str]) -> dict:
+def record(tmp: Path, name: str, model: str, engine_args: dict, env: dict, record_args: list[str],
+           workload_args: list[str] = ()) -> dict:
     session, metrics, db = tmp / name, tmp / f"{name}-metrics.json", tmp / f"{name}.duckdb"
     full_env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", **env}
     args = {"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.3, "async_scheduling": False,
             **engine_args}
     cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session), *record_args, "--",
            sys.executable, "-m", "kvtrace.demo.workload", "--model", model, "--metrics-out", str(metrics),
-           "--engine-args", json.dumps(args)]
+           "--engine-args", json.dumps(args), *workload_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=400)
     log = proc.stdout[-4000:] + proc.stderr[-12000:]
     if OUT is not None:
@@ -128,8 +132,43 @@ def note(name: str, row: dict) -> None:
                                                          if c[0] in EVERY_LAYER],
                          ids=[c[0] for c in CASES] + [f"{n}-every-layer" for n in EVERY_LAYER])
 def test_recorded_run_is_exact(name, engine_args, env, share, model, tmp_path):
+    if "flashinfer" in name and importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("the flashinfer package is not installed (scripts/gpu/pack_vllm.sh leaves it out)")
     run = record(tmp_path, name, model, engine_args, env, ["--kv-granularity", "blocks", "--kv-layers", "all",
                                                             "--options-json", json.dumps({"kv_share_layers": share})])
+    check_exact(name, run, engine_args, BLOCK)
+
+
+# Multi-head Latent Attention (DeepSeek-V2/V3): its metadata splits the batch into decode and prefill
+# parts with no whole-batch block table; the probe reads the builder's CommonAttentionMetadata instead.
+# On Hopper vLLM picks FLASH_ATTN_MLA; FlashMLA takes 64-token blocks only.
+MLA_CASES = [
+    ("mla-default", {}, 32),
+    ("mla-eager-triton", {"enforce_eager": True, "attention_config": {"backend": "TRITON_MLA"}}, 32),
+    ("mla-default-triton", {"attention_config": {"backend": "TRITON_MLA"}}, 32),
+    ("mla-default-flashmla", {"attention_config": {"backend": "FLASHMLA"}}, 64),
+]
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory) -> str:
+    from kvtrace.demo.model import ensure_tiny_mla_model
+
+    return str(ensure_tiny_mla_model(tmp_path_factory.mktemp("model") / "tiny-mla", layers=LAYERS))
+
+
+@pytest.mark.parametrize("name, engine_args, block", MLA_CASES, ids=[c[0] for c in MLA_CASES])
+def test_mla_recorded_run_is_exact(name, engine_args, block, mla_model, tmp_path):
+    args = {"load_format": "dummy", "block_size": block, **engine_args}
+    # the pool is sized in blocks: 64-token blocks get half as many, the same tokens
+    extra = ["--num-blocks", str(40 * BLOCK // block)]
+    run = record(tmp_path, name, mla_model, args, {}, ["--kv-granularity", "blocks", "--kv-layers", "all"],
+                 workload_args=extra)
+    check_exact(name, run, args, block)
+
+
+def check_exact(name: str, run: dict, engine_args: dict, block: int) -> None:
+    """The recorded run against vLLM's own counters and the scheduler's own block tables."""
     vllm_counts = run["metrics"]["vllm"]
     row = summary(run["db"])
     con = duckdb.connect(str(run["db"]), read_only=True)
@@ -139,9 +178,9 @@ def test_recorded_run_is_exact(name, engine_args, env, share, model, tmp_path):
                                              "from steps").fetchall()
         layers = [r[0] for r in con.execute("select distinct layer from kv_access order by 1").fetchall()]
         (timing_steps,), = con.execute("select count(distinct step) from layer_timings").fetchall()
-        checked = check_reads_and_writes(con, BLOCK, layers) if layers else 0
+        checked = check_reads_and_writes(con, block, layers) if layers else 0
         (records,), = con.execute("select count(*) from kv_access").fetchall()
-        expected = expected_records(con, BLOCK, LAYERS)
+        expected = expected_records(con, block, LAYERS)
         lookups = con.execute("select step, request_id, query_tokens, hit_tokens, after_preemption from "
                               "prefix_lookups order by ts_ns").fetchall()
         reported = vllm_reported_prefix_tokens(con)

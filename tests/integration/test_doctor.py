@@ -53,4 +53,12 @@ def test_the_source_check_agrees_with_the_import_check(report, tmp_path):
     source = json.loads(run_kvtrace("doctor", "--format", "json", "--source",
                                     str(Path(vllm.__file__).parents[1])).stdout)
     assert source["vllm"] == f"{vllm.__version__} (source)"
-    assert source["probes"] == report["probes"]
+    # but for a backend whose third-party package is not installed here (FlashInfer on the CPU build):
+    # imported, its module does not load (`unused`); in the source its builder is there
+    unused = {(p["probe"], h["hook"]) for p in report["probes"] for h in p["hooks"] if h["status"] == "unused"}
+    assert unused <= {("attention", "FlashInfer metadata")}, unused
+
+    def without_unused(probes):
+        return [{**p, "hooks": [h for h in p["hooks"] if (p["probe"], h["hook"]) not in unused]} for p in probes]
+
+    assert without_unused(source["probes"]) == without_unused(report["probes"])

@@ -64,3 +64,40 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, layers: int = 2) ->
     (target / "kvtrace_model.json").write_text(json.dumps({"version": MODEL_VERSION, "layers": layers}))
     done.touch()
     return target
+
+
+def ensure_tiny_mla_model(path: str | os.PathLike, layers: int = 2) -> Path:
+    """A config-only DeepSeek-V2 folder (Multi-head Latent Attention) with the tiny model's tokenizer:
+    load it with `load_format="dummy"` (vLLM fills random weights). MLA's latent KV cache is one
+    576-wide entry per token (kv_lora_rank 512 + rope 64), the size vLLM's MLA kernels (the CPU one
+    included) are built for, and DeepSeek's head sizes (128 + 64 query/key, 128 value), the ones
+    FlashAttention's MLA prefill takes; dense MLP layers only (no experts)."""
+    target = Path(path)
+    done = target / ".complete"
+    if done.exists():
+        return target
+    tokenizer = ensure_tiny_model(target.parent / f"{target.name}-tokenizer", layers=1)
+    target.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            (target / f.name).write_bytes(f.read_bytes())
+    base = json.loads((tokenizer / "config.json").read_text())
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": base["vocab_size"], "hidden_size": 256, "intermediate_size": 512,
+        "moe_intermediate_size": 256, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": layers, "moe_layer_freq": 1,
+        # experts are declared (the config's checks want them) but no layer has any: every layer is
+        # below first_k_dense_replace
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+        "scoring_func": "softmax", "routed_scaling_factor": 1.0, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": base["bos_token_id"],
+        "eos_token_id": base["eos_token_id"], "torch_dtype": "float32",
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    (target / "kvtrace_model.json").write_text(json.dumps({"version": MODEL_VERSION + "-mla", "layers": layers}))
+    done.touch()
+    return target

@@ -13,13 +13,19 @@ Patch points (vLLM 0.26 to 0.32):
   (and the name MLA imported): every attention layer calls it for its KV write and again for its read;
   on the read call we hand the layer's slot mapping and the metadata's `block_table`, `seq_lens`,
   `query_start_loc` to the KV access ring (`kvtrace.probes.kv_access`), which records on the device
-  (CUDA, CuPy) or on the CPU. Metadata without them (FlashInfer's, MLA's) makes the probe
-  `unsupported: <class>`: never `attached` with no rows.
+  (CUDA, CuPy) or on the CPU.
+- the metadata builders of backends whose metadata splits the batch into decode and prefill parts or
+  plans it into kernel wrappers, keeping no whole-batch block table (MLA's `MLACommonMetadataBuilder`,
+  `FlashInferMetadataBuilder`; `TABLE_KEEPERS`): their `build(common_prefix_len, common_attn_metadata)`
+  is wrapped to keep the CommonAttentionMetadata it was given on the metadata it returns, and the read
+  takes `block_table_tensor`, `seq_lens`, `query_start_loc` from there. Patched when their modules load.
+  Metadata with neither makes the probe `unsupported: <class>`: never `attached` with no rows.
 Never `Attention.forward`: Dynamo traces it (see vllm-hook-map.md).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from itertools import count, repeat
 from typing import Any
@@ -36,6 +42,12 @@ RUNNER_V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2, vLLM's default
 # left out so a layer's records are not doubled.
 READ_CALLERS = ("unified_attention_with_output", "unified_mla_attention_with_output",
                 "step5_dsa_attention_with_output", "step5_swa_attention_with_output")
+# Builders (module -> class) whose metadata keeps no whole-batch block table: MLA's (every MLA backend's
+# builder but the sparse ones derives from it) and FlashInfer's. Their `build` keeps the batch's
+# CommonAttentionMetadata on the metadata, under COMMON.
+FLASHINFER = "vllm.v1.attention.backends.flashinfer"
+TABLE_KEEPERS = {MLA: "MLACommonMetadataBuilder", FLASHINFER: "FlashInferMetadataBuilder"}
+COMMON = "_kvtrace_common"
 # Forward passes without a step id before the probe says so: a few are warm-up passes (Model Runner V2
 # runs ~5 on fake requests) before the first tagged step; this many with none tagged means no tags come.
 UNTAGGED_BEFORE_SAYING = 32
@@ -167,8 +179,13 @@ class AttentionProbe(Probe):
                             # The layer's own slot mapping where vLLM gives one (the fourth value),
                             # else the metadata's.
                             slots = result[3] if len(result) > 3 and result[3] is not None else meta.slot_mapping
-                            ring.record_layer(layer, slots, meta.block_table, meta.seq_lens,
-                                              getattr(meta, "query_start_loc", None))
+                            common = getattr(meta, COMMON, None)
+                            if common is not None:  # a backend of TABLE_KEEPERS: the batch's own tables
+                                ring.record_layer(layer, slots, common.block_table_tensor, common.seq_lens,
+                                                  common.query_start_loc)
+                            else:
+                                ring.record_layer(layer, slots, meta.block_table, meta.seq_lens,
+                                                  getattr(meta, "query_start_loc", None))
                         except AttributeError as exc:
                             if hasattr(meta, "block_table") and hasattr(meta, "seq_lens"):
                                 probe.fail(exc)
@@ -192,6 +209,39 @@ class AttentionProbe(Probe):
                 return orig(runner, *args, **kwargs)
             return wrapper
 
+        def keep_common(orig, position):
+            # build(common_prefix_len, common_attn_metadata, ...): called by keyword by the runners, by
+            # position from build_for_cudagraph_capture
+            def wrapper(builder, *args, **kwargs):
+                meta = orig(builder, *args, **kwargs)
+                if probe.enabled:
+                    common = kwargs.get("common_attn_metadata")
+                    if common is None and len(args) > position:
+                        common = args[position]
+                    try:  # a metadata class that takes no attribute is read as unsupported, and said
+                        setattr(meta, COMMON, common)
+                    except Exception:
+                        pass
+                return meta
+            return wrapper
+
+        def attach_builder(module: Any) -> None:
+            """Keep the CommonAttentionMetadata on a TABLE_KEEPERS builder's metadata, once its module is
+            loaded; a builder that is absent or changed leaves its backend's metadata unreadable (then
+            `unsupported`, when a layer reads it)."""
+            if not self._patches:
+                return
+            cls_name = TABLE_KEEPERS[module.__name__]
+            try:
+                self.check_targets([(module.__name__, f"{cls_name}.build", ("common_attn_metadata",))])
+                builder_cls = getattr(module, cls_name)
+                params = list(inspect.signature(builder_cls.build).parameters)
+                position = params.index("common_attn_metadata") - 1  # without `self`
+                self.patch(builder_cls, "build", lambda orig: keep_common(orig, position))
+            except Exception as exc:
+                self.rec.warn(f"probe {self.name}: {cls_name}.build not patched ({exc}); "
+                              "its backend's KV access will be reported unsupported")
+
         def attach_runner(module: Any) -> None:
             """Patch a model runner once its module is loaded (in a worker); disable on drift."""
             if not self._patches:  # uninstalled meanwhile (at install, `enabled` is not yet set)
@@ -213,6 +263,8 @@ class AttentionProbe(Probe):
                 self.patch(mla, "get_attention_context", get_attention_context)
         except Exception:
             pass
+        for module in TABLE_KEEPERS:
+            when_imported(module, attach_builder)
         found = [module for module in RUNNERS if when_imported(module, attach_runner)]
         if not found:
             raise TargetMissing(f"no model runner module ({', '.join(RUNNERS)})")

@@ -23,7 +23,7 @@ from typing import Any
 from kvtrace.errors import KvtraceError
 from kvtrace.probes.base import Hook, Probe, Target, pick_variant
 from kvtrace.probes.vllm import PROBES
-from kvtrace.probes.vllm.attention import RUNNER, RUNNER_V2
+from kvtrace.probes.vllm.attention import RUNNER, RUNNER_V2, TABLE_KEEPERS
 from kvtrace.probes.vllm.source import VllmSource
 
 # The attention probe needs one model runner: V2 (CUDA's default) or V1 (the CPU build's base).
@@ -32,6 +32,14 @@ RUNNER_HOOK = Hook("model runner", (
     ((RUNNER, "GPUModelRunner.execute_model", ("scheduler_output",)),),
 ))
 RUNNER_NAMES = ("V2 (vllm/v1/worker/gpu/model_runner.py)", "V1 (vllm/v1/worker/gpu_model_runner.py)")
+# Backends whose metadata has no whole-batch block table: the attention probe reads the batch's tables
+# through their builders (patched when a worker loads them). Without one, that backend's KV access is
+# reported unsupported; a backend whose module cannot be imported here (FlashInfer without the
+# flashinfer package) is not usable either: `unused`.
+BUILDER_HOOKS = tuple(
+    Hook(f"{label} metadata", (((module, f"{cls}.build", ("common_attn_metadata",)),),), required=False,
+         lost=f"KV access with the {label} backends (unsupported)")
+    for (module, cls), label in zip(TABLE_KEEPERS.items(), ("MLA", "FlashInfer")))
 
 
 def vllm_version() -> str | None:
@@ -51,7 +59,7 @@ def probe_hooks() -> list[tuple[str, list[Hook]]]:
         # From the class: hooks are declarations. (Any instance made in this process before a real
         # probe's costs that probe CPython 3.11's inline attribute values, its hot reads.)
         cls: type[Probe] = getattr(importlib.import_module(module), name)
-        out.append((cls.name, list(cls.hooks()) + ([RUNNER_HOOK] if cls.name == "attention" else [])))
+        out.append((cls.name, list(cls.hooks()) + ([RUNNER_HOOK, *BUILDER_HOOKS] if cls.name == "attention" else [])))
     return out
 
 
@@ -84,6 +92,10 @@ def _check(version: str | None, check_targets) -> dict[str, Any]:
             elif chosen is not None:
                 variant = "via " + ", ".join(q for _, q, _ in hook.variants[chosen]) if len(hook.variants) > 1 else ""
                 entry["hooks"].append({"hook": hook.name, "status": "attached", "detail": variant})
+            elif hook in BUILDER_HOOKS and all(w.startswith("cannot import") and "No module named" in w
+                                               and "'vllm" not in w for w in why):
+                entry["hooks"].append({"hook": hook.name, "status": "unused",
+                                       "detail": f"backend not installed ({'; '.join(why)})"})
             elif hook.required:
                 required_missing = True
                 entry["hooks"].append({"hook": hook.name, "status": "missing", "detail": "; ".join(why)})
