@@ -14,7 +14,12 @@ plain and beyond kvtrace's own functions (GIL hand-overs, caches).
     python bench/profile_engine_thread.py --shape 1b --variants plain,default --out DIR   # on the GPU machine
 
 cProfile slows Python code by itself (every call is counted), so the figures compare variants with each
-other, not with the throughput benchmark.
+other, not with the throughput benchmark. `--threads` runs without it and reports, per engine step, the
+wall time and CPU time: the engine thread's (its own clock), kvtrace's ring drain and shard writer
+threads' (each reads its own clock; proc.json keeps it) and the rest of the process's (vLLM's and CUDA's
+other threads). A variant's extra wall time is then work on the engine thread itself, or time that
+thread waits (for the GIL while kvtrace's threads run, or for the GPU). `--rounds N` runs the variants'
+processes N times in turns.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +41,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu_throughput as bgt  # noqa: E402  (its shapes, variants and model folders)
 
 
+def thread_worker(args) -> None:
+    """--threads: no profiler; wall, the engine thread's CPU and the process's CPU per engine step over the
+    timed repetitions (kvtrace's own threads report theirs in the session's proc.json)."""
+    llm, params, prompts = bgt.warm_engine(args.model, args.input_len, args.output_len, args.num_prompts)
+    batches = [prompts(rep) for rep in range(args.reps)]
+    steps0, t0 = bgt.engine_steps(llm), time.perf_counter()
+    main0, proc0 = time.thread_time(), time.process_time()
+    for batch in batches:
+        llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    main_s, proc_s = time.thread_time() - main0, time.process_time() - proc0
+    steps = max((bgt.engine_steps(llm) or 0) - (steps0 or 0), 1)
+    Path(args.result).write_text(json.dumps({"steps": steps, "wall_s": seconds, "engine_thread_cpu_s": main_s,
+                                             "process_cpu_s": proc_s}))
+
+
 def worker(args) -> None:
+    if args.threads:
+        return thread_worker(args)
     llm, params, prompts = bgt.warm_engine(args.model, args.input_len, args.output_len, args.num_prompts)
     batches = [prompts(rep) for rep in range(args.reps)]
     steps0 = bgt.engine_steps(llm)
@@ -72,6 +97,8 @@ def main() -> None:
     ap.add_argument("--shape", default="1b", choices=sorted(bgt.SHAPES))
     ap.add_argument("--variants", default="plain,default", help=f"comma-separated, of {', '.join(bgt.VARIANTS)}")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", action="store_true", help="no profiler: wall and CPU time per step by thread")
+    ap.add_argument("--rounds", type=int, default=1, help="processes per variant, in turns (--threads)")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
@@ -88,20 +115,43 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtrace-profile-") as scratch:
         model = bgt.write_model(Path(scratch) / "model", args.shape)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        for v in variants:
+        table = []
+        for i, v in enumerate([v for _ in range(args.rounds) for v in variants]):
             result = out / f"{args.shape}-{v}.txt"
+            session = Path(scratch) / f"session-{v}-{i}"
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", str(model), "--result",
                    str(result), "--reps", str(args.reps), "--num-prompts", str(args.num_prompts),
-                   "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+                   "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                   *(["--threads"] if args.threads else [])]
             if bgt.VARIANTS[v] is not None:
-                cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(Path(scratch) / f"session-{v}"),
+                cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session),
                        *bgt.VARIANTS[v], "--", *cmd]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
             if proc.returncode != 0 or not result.exists():
                 raise SystemExit(f"profile: {v} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             said = [line for line in proc.stderr.splitlines() if line.startswith("kvtrace:")]
+            if args.threads:
+                table.append(thread_row(v, json.loads(result.read_text()), session))
+                print(table[-1], *said[-1:], sep="\n", flush=True)
+                shutil.rmtree(session, ignore_errors=True)
+                continue
             print(f"== {args.shape} {v}\n" + result.read_text().split("all functions by self time:")[0]
                   + "\n".join(said[-3:]), flush=True)
+
+
+def thread_row(variant: str, r: dict, session: Path) -> str:
+    """One line of ms a step: wall, engine thread CPU, kvtrace's ring drain and shard writer threads' CPU
+    (from proc.json), and the rest of the process's CPU (vLLM's and CUDA's other threads)."""
+    ring = writer = 0.0
+    for proc_file in session.glob("procs/*/proc.json"):
+        info = json.loads(proc_file.read_text())
+        writer += info.get("writer_cpu_s", 0.0)
+        ring += sum(val.get("thread_cpu_s", 0.0) for key, val in info.items() if key.startswith("kv_ring_"))
+    n = r["steps"] / 1e3
+    rest = r["process_cpu_s"] - r["engine_thread_cpu_s"] - ring - writer
+    return (f"{variant:>18}: {r['steps']} steps, wall {r['wall_s'] / n:.3f} ms a step; CPU ms a step: engine "
+            f"thread {r['engine_thread_cpu_s'] / n:.3f}, kvtrace-kv-ring {ring / n:.3f}, kvtrace-writer "
+            f"{writer / n:.3f}, other threads {rest / n:.3f}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,11 @@ def packed_batch(recs: np.ndarray, clock: tuple[int, int, float], sch: pa.Schema
     """One `kv_access_records` row: the records' bytes (copied: the ring's staging memory is reused), the
     clock mapping to decode their timestamps with, and the layers recorded as copies of another
     (`copies`: (layer, source layer) pairs, flattened)."""
-    data = pa.py_buffer(np.ascontiguousarray(recs).tobytes())
+    # Into an array of its own, then wrapped without a copy: NumPy copies with the GIL released, where
+    # bytes() (tobytes) holds it for the whole copy, and the engine's thread waits on it meanwhile.
+    owned = np.empty(recs.shape, recs.dtype)
+    np.copyto(owned, recs)
+    data = pa.py_buffer(owned)
     offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
     records = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, data])
     dev_ref, host_ref, slope = clock

@@ -129,6 +129,7 @@ class Recorder:
         self.add_clock_anchor()
         self.status = "running"
         self._proc_written_at = 0.0  # monotonic s of the last proc.json write
+        self.writer_cpu_s = 0.0  # CPU seconds of the writer thread (its own clock, read after each flush)
         self._proc_dirty = False  # something other than the row counts changed since then
         self._write_proc_file(status=self.status)
         self._thread = threading.Thread(target=self._run, name="kvtrace-writer", daemon=True)
@@ -252,6 +253,8 @@ class Recorder:
                 self.add_clock_anchor()
                 next_anchor = time.monotonic() + 10.0
             self.flush()
+            # this thread's CPU so far (proc.json's writer_cpu_s): what writing shards took from the process
+            self.writer_cpu_s = time.thread_time()
 
     def flush(self) -> None:
         with self._lock:
@@ -418,6 +421,7 @@ class Recorder:
                     w.close()
                 except OSError:
                     pass
+            self.info["writer_cpu_s"] = round(self.writer_cpu_s, 6)
             self._write_proc_file(status="complete")
 
 

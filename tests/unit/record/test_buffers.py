@@ -960,3 +960,22 @@ def test_arrow_batch_imports_the_logs_bytes_as_they_lie():
         buffers._columns.arrow_batch(rows, [("f", 8, None, b"\0" * 24)])
     capsule, _ = buffers._columns.arrow_batch(rows, [("f", 8, None, bytearray(24))])
     del capsule  # never imported: the capsule releases the structs itself
+
+
+def test_proc_json_says_what_the_writer_thread_spent(tmp_path):
+    """The writer thread reads its own CPU clock after each flush, and the closed proc.json keeps it
+    (what writing shards took from the recorded process; bench/profile_engine_thread.py reads it)."""
+    import json
+    import time
+
+    from kvtrace.record.recorder import Recorder
+
+    rec = Recorder(tmp_path / "s", "engine", {"flush_interval_s": 0.01})
+    for i in range(2000):
+        rec.buffer("steps").append(tuple([i] + [None] * 21))
+    deadline = time.monotonic() + 10
+    while rec.writer_cpu_s == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rec.close()
+    spent = json.loads((rec.dir / "proc.json").read_text())["writer_cpu_s"]
+    assert 0 < spent < 10 and spent == round(rec.writer_cpu_s, 6)

@@ -442,6 +442,7 @@ class CudaKVAccessRing(KVAccessRing):
                 self._warn(f"KVAccessRing drain failed: {exc!r}")
                 if heads is not None:
                     self._lose_to(*heads, cause="drain-error")
+            self.stats["thread_cpu_s"] = time.thread_time()  # this thread's CPU so far (proc.json)
             for it in items:
                 if it[3] is not None:
                     it[3].set()

@@ -1,0 +1,111 @@
+"""How long the engine's thread waits for the GIL while a KV access ring's drain and the shard writer
+run beside it (issue 33: a small model's engine is bound by its host thread, so each millisecond of its
+own that it waits is throughput lost).
+
+On the GPU the ring's drain thread and the recorder's writer thread spend ~0.3 and ~0.15 ms of CPU a
+step for a 1B-class model at the default granularity (bench/profile_engine_thread.py --threads). What
+matters to the engine is the part of it that holds the GIL. Here a pure-Python loop stands in for the
+engine's thread (it needs the GIL all the time: every moment it is off the CPU it is waiting for it),
+while a background thread drains `--records` packed records every 100 ms into a real recorder and
+flushes them to real shards, as the ring's drain thread and the writer do. Printed, alternating in one
+process: the loop thread's share of wall time spent waiting, with no drain, with the drain as kvtrace
+does it (records copied by NumPy, which lets go of the GIL), and with the records copied through
+`bytes` (holding the GIL for the copy, as kvtrace did before).
+
+    python bench/bench_drain_gil.py [--records 105000] [--seconds 3] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from kvtrace.format import kv_records
+from kvtrace.probes.kv_access.ring import REC_DTYPE, KVAccessRing, set_laps
+from kvtrace.record.recorder import Recorder
+
+
+def bytes_copy_packed_batch(recs, clock, sch, copies=()):
+    """packed_batch with its records copied through `bytes` (the GIL held for the copy)."""
+    data = pa.py_buffer(np.ascontiguousarray(recs).tobytes())
+    offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
+    records = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, data])
+    dev_ref, host_ref, slope = clock
+    return pa.RecordBatch.from_arrays(
+        [pa.array(np.array([dev_ref], np.int64)), pa.array(np.array([host_ref], np.int64)),
+         pa.array(np.array([slope], np.float64)), pa.array(np.array([len(recs)], np.int64)), records,
+         pa.array([list(copies)], pa.list_(pa.int32()))], schema=sch)
+
+
+def waited_share(n: int, seconds: float, drain: bool) -> tuple[float, float]:
+    """(share of wall time the loop thread was off the CPU, background thread's CPU share)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = Recorder(tmp, "worker", {"flush_interval_s": 1e9})
+        ring = KVAccessRing(recorder=rec, capacity=1 << 30)
+        recs = np.zeros(n, REC_DTYPE)
+        recs["block_id"] = np.arange(n)
+        recs["ts"] = np.arange(n, dtype=np.uint64) + np.uint64(10**12)
+        set_laps(recs, 0, ring.log2cap)
+        ring._decode_window(recs, 0, 0, n, ring.log2cap, 0, False)  # warm: imports, first shard
+        rec.flush()
+        stop = threading.Event()
+        busy = [0.0]
+
+        def background() -> None:
+            while not stop.is_set():
+                c = time.thread_time()
+                if drain:
+                    ring._decode_window(recs, 0, 0, n, ring.log2cap, 0, False)
+                    rec.flush()
+                busy[0] += time.thread_time() - c
+                stop.wait(0.1)  # the ring drains every 100 ms
+
+        thread = threading.Thread(target=background)
+        thread.start()
+        t0, c0, x = time.perf_counter(), time.thread_time(), 0
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(1000):
+                x += 1
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        stop.set()
+        thread.join()
+        rec.close()
+    return 1.0 - cpu / wall, busy[0] / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=105_000, help="records per drain (1B default: ~10 steps)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    current = kv_records.packed_batch
+    variants = {"no drain": (False, current), "drain (NumPy copy)": (True, current),
+                "drain (bytes copy)": (True, bytes_copy_packed_batch)}
+    waits: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for name, (drain, packer) in variants.items():
+            kv_records.packed_batch = packer
+            import kvtrace.record.recorder as recorder_module
+            recorder_module.packed_batch = packer
+            w, b = waited_share(args.records, args.seconds, drain)
+            waits[name].append(w)
+            cpu[name].append(b)
+    kv_records.packed_batch = current
+    print(f"{args.records} records drained every 100 ms, {args.rounds} rounds of {args.seconds} s (medians):")
+    base = statistics.median(waits["no drain"])
+    for name in variants:
+        w, b = statistics.median(waits[name]), statistics.median(cpu[name])
+        print(f"  {name:20s} loop thread waiting {100 * w:5.2f}% of wall (+{100 * (w - base):.2f}), "
+              f"background CPU {100 * b:5.2f}% of wall")
+
+
+if __name__ == "__main__":
+    main()
