@@ -26,6 +26,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
+import kvtrace.record.recorder as recorder_module
 from kvtrace.format import kv_records
 from kvtrace.probes.kv_access.ring import REC_DTYPE, KVAccessRing, set_laps
 from kvtrace.record.recorder import Recorder
@@ -33,14 +34,8 @@ from kvtrace.record.recorder import Recorder
 
 def bytes_copy_packed_batch(recs, clock, sch, copies=()):
     """packed_batch with its records copied through `bytes` (the GIL held for the copy)."""
-    data = pa.py_buffer(np.ascontiguousarray(recs).tobytes())
-    offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
-    records = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, data])
-    dev_ref, host_ref, slope = clock
-    return pa.RecordBatch.from_arrays(
-        [pa.array(np.array([dev_ref], np.int64)), pa.array(np.array([host_ref], np.int64)),
-         pa.array(np.array([slope], np.float64)), pa.array(np.array([len(recs)], np.int64)), records,
-         pa.array([list(copies)], pa.list_(pa.int32()))], schema=sch)
+    return kv_records.packed_batch(recs, clock, sch, copies,
+                                   copy=lambda r: pa.py_buffer(np.ascontiguousarray(r).tobytes()))
 
 
 def waited_share(n: int, seconds: float, drain: bool) -> tuple[float, float]:
@@ -92,13 +87,11 @@ def main() -> None:
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for name, (drain, packer) in variants.items():
-            kv_records.packed_batch = packer
-            import kvtrace.record.recorder as recorder_module
-            recorder_module.packed_batch = packer
+            recorder_module.packed_batch = packer  # the name the recorder calls
             w, b = waited_share(args.records, args.seconds, drain)
             waits[name].append(w)
             cpu[name].append(b)
-    kv_records.packed_batch = current
+    recorder_module.packed_batch = current
     print(f"{args.records} records drained every 100 ms, {args.rounds} rounds of {args.seconds} s (medians):")
     base = statistics.median(waits["no drain"])
     for name in variants:

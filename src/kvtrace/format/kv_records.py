@@ -52,16 +52,21 @@ def unpack_records(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]
     }
 
 
-def packed_batch(recs: np.ndarray, clock: tuple[int, int, float], sch: pa.Schema,
-                 copies: tuple[int, ...] = ()) -> pa.RecordBatch:
-    """One `kv_access_records` row: the records' bytes (copied: the ring's staging memory is reused), the
-    clock mapping to decode their timestamps with, and the layers recorded as copies of another
-    (`copies`: (layer, source layer) pairs, flattened)."""
-    # Into an array of its own, then wrapped without a copy: NumPy copies with the GIL released, where
-    # bytes() (tobytes) holds it for the whole copy, and the engine's thread waits on it meanwhile.
+def owned_copy(recs: np.ndarray) -> pa.Buffer:
+    """The records' bytes in memory of their own (the ring's staging memory is reused). NumPy copies with
+    the GIL released, where bytes() (tobytes) holds it for the whole copy while the engine's thread waits
+    for it (bench/bench_drain_gil.py); the array is then wrapped without another copy."""
     owned = np.empty(recs.shape, recs.dtype)
     np.copyto(owned, recs)
-    data = pa.py_buffer(owned)
+    return pa.py_buffer(owned)
+
+
+def packed_batch(recs: np.ndarray, clock: tuple[int, int, float], sch: pa.Schema,
+                 copies: tuple[int, ...] = (), copy=owned_copy) -> pa.RecordBatch:
+    """One `kv_access_records` row: the records' bytes (`copy(recs)`), the clock mapping to decode their
+    timestamps with, and the layers recorded as copies of another (`copies`: (layer, source layer) pairs,
+    flattened)."""
+    data = copy(recs)
     offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
     records = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, data])
     dev_ref, host_ref, slope = clock
