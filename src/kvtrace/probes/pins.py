@@ -38,7 +38,7 @@ def _pins_buffer() -> list | None:
     try:
         from kvtrace.record import recorder as _rec_mod
 
-        key = (os.getpid(), _rec_mod._recorder)
+        key = (os.getpid(), _rec_mod.current_recorder())
         if _checked == key and (key[1] is not None or not os.environ.get("KVTRACE_SESSION")):
             return _buffer
         rec = _rec_mod.get_recorder()

@@ -506,6 +506,11 @@ def run_flush_hooks() -> None:
             pass
 
 
+def current_recorder() -> Recorder | None:
+    """This process's recorder if one was made, without making one (a cheap check for hot paths)."""
+    return _recorder
+
+
 def get_recorder(role: str | None = None) -> Recorder | None:
     """This process's recorder, created on first use when a session is active (KVTRACE_SESSION).
 
