@@ -7,9 +7,9 @@ thread that calls `LLM.generate`), the same offline workload as the throughput b
 ids, `ignore_eos`, random weights), warmed up once, then `--reps` repetitions under cProfile. For each
 variant it prints the wall time per engine step, the profiled thread's own time in kvtrace's code
 (functions in files under `kvtrace/`, their self time: what the probes cost on the engine thread
-directly) and the functions that take the most self time. The recorder's background threads (ring
-drain, shard writer) are not profiled: their cost shows only as the engine thread's wall time beyond
-plain and beyond kvtrace's own functions (GIL hand-overs, caches).
+directly) and the functions that take the most self time. Python 3.12's cProfile sees every thread,
+so the recorder's background threads (ring drain, shard writer) are in those figures too; what they
+make the engine thread wait (GIL hand-overs) is not, and shows only in its wall time.
 
     python bench/profile_engine_thread.py --shape 1b --variants plain,default --out DIR   # on the GPU machine
 
