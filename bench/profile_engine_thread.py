@@ -16,7 +16,7 @@ make the engine thread wait (GIL hand-overs) is not, and shows only in its wall 
 cProfile slows Python code by itself (every call is counted), so the figures compare variants with each
 other, not with the throughput benchmark. `--threads` runs without it and reports, per engine step, the
 wall time and CPU time: the engine thread's (its own clock), kvtrace's ring drain and shard writer
-threads' (each reads its own clock; proc.json keeps it) and the rest of the process's (vLLM's and CUDA's
+threads' (each reads its own clock at every turn of its loop) and the rest of the process's (vLLM's and CUDA's
 other threads). A variant's extra wall time is then work on the engine thread itself, or time that
 thread waits (for the GIL while kvtrace's threads run, or for the GPU). `--rounds N` runs the variants'
 processes N times in turns.
@@ -41,36 +41,42 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu_throughput as bgt  # noqa: E402  (its shapes, variants and model folders)
 
 
-def thread_worker(args) -> None:
-    """--threads: no profiler; wall, the engine thread's CPU and the process's CPU per engine step over the
-    timed repetitions (kvtrace's own threads report theirs in the session's proc.json)."""
-    llm, params, prompts = bgt.warm_engine(args.model, args.input_len, args.output_len, args.num_prompts)
-    batches = [prompts(rep) for rep in range(args.reps)]
-    steps0, t0 = bgt.engine_steps(llm), time.perf_counter()
-    main0, proc0 = time.thread_time(), time.process_time()
-    for batch in batches:
-        llm.generate(batch, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    main_s, proc_s = time.thread_time() - main0, time.process_time() - proc0
-    steps = max((bgt.engine_steps(llm) or 0) - (steps0 or 0), 1)
-    Path(args.result).write_text(json.dumps({"steps": steps, "wall_s": seconds, "engine_thread_cpu_s": main_s,
-                                             "process_cpu_s": proc_s}))
+def kvtrace_threads_cpu_s() -> tuple[float, float]:
+    """CPU seconds so far of this process's KV ring drain thread and shard writer thread (0 when not
+    recording). Each reads its own clock at every turn of its loop (every drain, every flush), so a
+    window's difference is exact to one turn at each end."""
+    from kvtrace.probes import lifecycle
+    from kvtrace.record.recorder import current_recorder
+
+    rec = current_recorder()
+    ring = next((p.ring for p in lifecycle.installed() if getattr(p, "ring", None) is not None), None)
+    return (ring.stats.get("thread_cpu_s", 0.0) if ring is not None else 0.0,
+            rec.writer_cpu_s if rec is not None else 0.0)
 
 
 def worker(args) -> None:
-    if args.threads:
-        return thread_worker(args)
+    """The timed repetitions under cProfile (a report), or with `--threads` without it (wall, and the CPU
+    of the engine thread, kvtrace's two threads and the whole process over them, as JSON)."""
     llm, params, prompts = bgt.warm_engine(args.model, args.input_len, args.output_len, args.num_prompts)
     batches = [prompts(rep) for rep in range(args.reps)]
-    steps0 = bgt.engine_steps(llm)
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
+    prof = None if args.threads else cProfile.Profile()
+    steps0, t0 = bgt.engine_steps(llm), time.perf_counter()
+    main0, proc0, ours0 = time.thread_time(), time.process_time(), kvtrace_threads_cpu_s()
+    if prof is not None:
+        prof.enable()
     for batch in batches:
         llm.generate(batch, params, use_tqdm=False)
-    prof.disable()
+    if prof is not None:
+        prof.disable()
     seconds = time.perf_counter() - t0
+    main_s, proc_s = time.thread_time() - main0, time.process_time() - proc0
+    ring_s, writer_s = (b - a for a, b in zip(ours0, kvtrace_threads_cpu_s()))
     steps = (bgt.engine_steps(llm) or 0) - (steps0 or 0)
+    if prof is None:
+        Path(args.result).write_text(json.dumps({"steps": max(steps, 1), "wall_s": seconds, "engine_thread_cpu_s": main_s,
+                                                 "ring_cpu_s": ring_s, "writer_cpu_s": writer_s,
+                                                 "process_cpu_s": proc_s}))
+        return
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # self time of every function
     # kvtrace's Python functions, and its C ones (the native row logs' methods name their type's module)
@@ -115,7 +121,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtrace-profile-") as scratch:
         model = bgt.write_model(Path(scratch) / "model", args.shape)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        table = []
         for i, v in enumerate([v for _ in range(args.rounds) for v in variants]):
             result = out / f"{args.shape}-{v}.txt"
             session = Path(scratch) / f"session-{v}-{i}"
@@ -131,27 +136,21 @@ def main() -> None:
                 raise SystemExit(f"profile: {v} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             said = [line for line in proc.stderr.splitlines() if line.startswith("kvtrace:")]
             if args.threads:
-                table.append(thread_row(v, json.loads(result.read_text()), session))
-                print(table[-1], *said[-1:], sep="\n", flush=True)
+                print(thread_row(v, json.loads(result.read_text())), *said[-1:], sep="\n", flush=True)
                 shutil.rmtree(session, ignore_errors=True)
                 continue
             print(f"== {args.shape} {v}\n" + result.read_text().split("all functions by self time:")[0]
                   + "\n".join(said[-3:]), flush=True)
 
 
-def thread_row(variant: str, r: dict, session: Path) -> str:
-    """One line of ms a step: wall, engine thread CPU, kvtrace's ring drain and shard writer threads' CPU
-    (from proc.json), and the rest of the process's CPU (vLLM's and CUDA's other threads)."""
-    ring = writer = 0.0
-    for proc_file in session.glob("procs/*/proc.json"):
-        info = json.loads(proc_file.read_text())
-        writer += info.get("writer_cpu_s", 0.0)
-        ring += sum(val.get("thread_cpu_s", 0.0) for key, val in info.items() if key.startswith("kv_ring_"))
+def thread_row(variant: str, r: dict) -> str:
+    """One line of ms a step over the timed repetitions: wall, the engine thread's CPU, kvtrace's ring
+    drain and shard writer threads' CPU, and the rest of the process's CPU (vLLM's and CUDA's threads)."""
     n = r["steps"] / 1e3
-    rest = r["process_cpu_s"] - r["engine_thread_cpu_s"] - ring - writer
+    rest = r["process_cpu_s"] - r["engine_thread_cpu_s"] - r["ring_cpu_s"] - r["writer_cpu_s"]
     return (f"{variant:>18}: {r['steps']} steps, wall {r['wall_s'] / n:.3f} ms a step; CPU ms a step: engine "
-            f"thread {r['engine_thread_cpu_s'] / n:.3f}, kvtrace-kv-ring {ring / n:.3f}, kvtrace-writer "
-            f"{writer / n:.3f}, other threads {rest / n:.3f}")
+            f"thread {r['engine_thread_cpu_s'] / n:.3f}, kvtrace-kv-ring {r['ring_cpu_s'] / n:.3f}, "
+            f"kvtrace-writer {r['writer_cpu_s'] / n:.3f}, other threads {rest / n:.3f}")
 
 
 if __name__ == "__main__":
