@@ -30,16 +30,10 @@ def _training_text() -> list[str]:
     return [" ".join(words[(i * 7 + j) % len(words)] for j in range(24)) for i in range(400)]
 
 
-def ensure_tiny_model(path: str | os.PathLike | None = None, layers: int = 2) -> Path:
-    """Create the model folder if it is missing; returns its path. Takes a few seconds the first time."""
-    target = Path(path) if path else default_cache_dir()
-    done = target / ".complete"
-    if done.exists():
-        return target
-    target.mkdir(parents=True, exist_ok=True)
-    import torch
+def save_tokenizer(target: Path):
+    """Train the tiny byte-level BPE tokenizer (with the chat template) and save it into `target`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -51,7 +45,20 @@ def ensure_tiny_model(path: str | os.PathLike | None = None, layers: int = 2) ->
                                    unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(target)
+    return fast
 
+
+def ensure_tiny_model(path: str | os.PathLike | None = None, layers: int = 2) -> Path:
+    """Create the model folder if it is missing; returns its path. Takes a few seconds the first time."""
+    target = Path(path) if path else default_cache_dir()
+    done = target / ".complete"
+    if done.exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fast = save_tokenizer(target)
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=fast.vocab_size, hidden_size=256, intermediate_size=512,
@@ -76,15 +83,11 @@ def ensure_tiny_mla_model(path: str | os.PathLike, layers: int = 2) -> Path:
     done = target / ".complete"
     if done.exists():
         return target
-    tokenizer = ensure_tiny_model(target.parent / f"{target.name}-tokenizer", layers=1)
     target.mkdir(parents=True, exist_ok=True)
-    for f in tokenizer.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-            (target / f.name).write_bytes(f.read_bytes())
-    base = json.loads((tokenizer / "config.json").read_text())
+    fast = save_tokenizer(target)
     config = {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-        "vocab_size": base["vocab_size"], "hidden_size": 256, "intermediate_size": 512,
+        "vocab_size": fast.vocab_size, "hidden_size": 256, "intermediate_size": 512,
         "moe_intermediate_size": 256, "num_hidden_layers": layers, "num_attention_heads": 4,
         "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": layers, "moe_layer_freq": 1,
@@ -94,8 +97,8 @@ def ensure_tiny_mla_model(path: str | os.PathLike, layers: int = 2) -> Path:
         "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
         "scoring_func": "softmax", "routed_scaling_factor": 1.0, "hidden_act": "silu",
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": base["bos_token_id"],
-        "eos_token_id": base["eos_token_id"], "torch_dtype": "float32",
+        "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": fast.bos_token_id,
+        "eos_token_id": fast.eos_token_id, "torch_dtype": "float32",
     }
     (target / "config.json").write_text(json.dumps(config, indent=1))
     (target / "kvtrace_model.json").write_text(json.dumps({"version": MODEL_VERSION + "-mla", "layers": layers}))
