@@ -18,7 +18,9 @@ does it (records copied by NumPy, which lets go of the GIL), and with the record
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -28,8 +30,11 @@ import pyarrow as pa
 
 import kvtrace.record.recorder as recorder_module
 from kvtrace.format import kv_records
-from kvtrace.probes.kv_access.ring import REC_DTYPE, KVAccessRing, set_laps
+from kvtrace.probes.kv_access.ring import KVAccessRing
 from kvtrace.record.recorder import Recorder
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kv_drain import device_records  # noqa: E402
 
 
 def bytes_copy_packed_batch(recs, clock, sch, copies=()):
@@ -43,10 +48,7 @@ def waited_share(n: int, seconds: float, drain: bool) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         rec = Recorder(tmp, "worker", {"flush_interval_s": 1e9})
         ring = KVAccessRing(recorder=rec, capacity=1 << 30)
-        recs = np.zeros(n, REC_DTYPE)
-        recs["block_id"] = np.arange(n)
-        recs["ts"] = np.arange(n, dtype=np.uint64) + np.uint64(10**12)
-        set_laps(recs, 0, ring.log2cap)
+        recs = device_records(n, ring.log2cap)
         ring._decode_window(recs, 0, 0, n, ring.log2cap, 0, False)  # warm: imports, first shard
         rec.flush()
         stop = threading.Event()
@@ -80,7 +82,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    current = kv_records.packed_batch
+    current = recorder_module.packed_batch
     variants = {"no drain": (False, current), "drain (NumPy copy)": (True, current),
                 "drain (bytes copy)": (True, bytes_copy_packed_batch)}
     waits: dict[str, list[float]] = {v: [] for v in variants}

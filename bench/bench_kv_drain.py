@@ -28,6 +28,17 @@ from kvtrace.probes.kv_access.ring import REC_DTYPE, KVAccessRing, set_laps
 from kvtrace.record.recorder import Recorder
 
 
+def device_records(n: int, log2cap: int) -> np.ndarray:
+    """`n` records as a drain copies them off the device: distinct blocks, 256 batch rows, timestamps,
+    and the lap tag of positions 0.. (bench_drain_gil.py uses them too)."""
+    recs = np.zeros(n, REC_DTYPE)
+    recs["block_id"] = np.arange(n)
+    recs["slot"] = np.arange(n) % 256
+    recs["ts"] = np.arange(n, dtype=np.uint64) + np.uint64(10**12)
+    set_laps(recs, 0, log2cap)  # the lap the device would have tagged, for position 0
+    return recs
+
+
 def one_round(packed: bool, n: int, steps: int) -> tuple[float, float]:
     """(drain ms, flush ms) of CPU per step, for `steps` drains of `n` records and one flush of them."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -35,11 +46,7 @@ def one_round(packed: bool, n: int, steps: int) -> tuple[float, float]:
         ring = KVAccessRing(recorder=rec, capacity=1 << 30)
         if not packed:
             ring._append_records = None  # as for a recorder without append_kv_records
-        recs = np.zeros(n, REC_DTYPE)
-        recs["block_id"] = np.arange(n)
-        recs["slot"] = np.arange(n) % 256
-        recs["ts"] = np.arange(n, dtype=np.uint64) + np.uint64(10**12)
-        set_laps(recs, 0, ring.log2cap)  # the lap the device would have tagged, for position 0
+        recs = device_records(n, ring.log2cap)
         for _ in range(5):  # warm: the first calls import and allocate
             ring._decode_window(recs, 0, 0, n, ring.log2cap, 0, False)
         rec.flush()
