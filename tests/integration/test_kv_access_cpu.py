@@ -16,6 +16,7 @@ from tests.helpers.run import record_workload
 
 pytestmark = [pytest.mark.vllm, pytest.mark.exactness]
 BLOCK = 32
+MLA_BLOCK = 16  # the CPU MLA kernel's only block size
 
 
 def test_reads_and_writes_match_scheduler_blocks(recorded_run):
@@ -49,8 +50,6 @@ def mla_run(tiny_model, tmp_path_factory) -> dict:
     return record_workload(tmp, "mla", str(model), ["--num-blocks", "50", "--engine-args", json.dumps(engine)],
                            ["--kv-granularity", "blocks", "--kv-layers", "all"])
 
-
-MLA_BLOCK = 16
 
 
 def test_mla_reads_and_writes_match_scheduler_blocks(mla_run):

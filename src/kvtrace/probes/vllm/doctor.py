@@ -32,14 +32,21 @@ RUNNER_HOOK = Hook("model runner", (
     ((RUNNER, "GPUModelRunner.execute_model", ("scheduler_output",)),),
 ))
 RUNNER_NAMES = ("V2 (vllm/v1/worker/gpu/model_runner.py)", "V1 (vllm/v1/worker/gpu_model_runner.py)")
+
+
+def _backend(builder_cls: str) -> str:
+    """MLACommonMetadataBuilder -> MLA, FlashInferMetadataBuilder -> FlashInfer."""
+    return builder_cls.removesuffix("MetadataBuilder").removesuffix("Common")
+
+
 # Backends whose metadata has no whole-batch block table: the attention probe reads the batch's tables
 # through their builders (patched when a worker loads them). Without one, that backend's KV access is
 # reported unsupported; a backend whose module cannot be imported here (FlashInfer without the
 # flashinfer package) is not usable either: `unused`.
 BUILDER_HOOKS = tuple(
-    Hook(f"{label} metadata", (((module, f"{cls}.build", ("common_attn_metadata",)),),), required=False,
-         lost=f"KV access with the {label} backends (unsupported)")
-    for (module, cls), label in zip(TABLE_KEEPERS.items(), ("MLA", "FlashInfer")))
+    Hook(f"{_backend(cls)} metadata", (((module, f"{cls}.build", ("common_attn_metadata",)),),), required=False,
+         lost=f"KV access with the {_backend(cls)} backends (unsupported)")
+    for module, cls in TABLE_KEEPERS.items())
 
 
 def vllm_version() -> str | None:
