@@ -43,6 +43,11 @@ class DrivenConfig:
     # drafting turns on): set here on the config as the drafter's settings would (no draft model needed
     # to schedule); the Scheduler, its block pool and the block hasher then run vLLM's lookahead code.
     hash_lookahead_tokens: int = 0
+    # A Scheduler subclass to build instead of vLLM's Scheduler (e.g. AsyncScheduler, for `run_overlapped`).
+    scheduler_cls: Any = None
+    # What the workers report for a step, from its connector metadata (a KVConnectorOutput or None);
+    # default: the offload connector's transfers done within the step (`instant_offload_output`).
+    worker_output: Any = None
 
 
 _config_cache: dict[tuple, Any] = {}
@@ -91,7 +96,7 @@ class DrivenScheduler:
         # With the offload connector, the worker's tensors too: it sizes its CPU pool from them.
         self.sched, self.block_hasher = build_scheduler(self.config, cfg.block_size, cfg.num_blocks,
                                                         with_tensors=cfg.cpu_offload_bytes is not None,
-                                                        log_stats=cfg.log_stats)
+                                                        log_stats=cfg.log_stats, scheduler_cls=cfg.scheduler_cls)
         self.outputs: Any = {}  # EngineCoreOutputs of the last step, by client
         self.transfers = {"stored_blocks": 0, "loaded_blocks": 0}  # what the offload "worker" moved
         self.steps = 0
@@ -125,23 +130,54 @@ class DrivenScheduler:
     def step(self, **schedule_args: Any) -> Any:
         """schedule(**schedule_args) -> a made-up ModelRunnerOutput -> update_from_output(); returns the
         SchedulerOutput."""
+        launched = self.schedule(**schedule_args)
+        self.finish(launched)
+        return launched[0]
+
+    def schedule(self, **schedule_args: Any) -> tuple[Any, Any]:
+        """One step scheduled: (its SchedulerOutput, the ModelRunnerOutput its model run gives back)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        sched = self.sched
-        out = sched.schedule(**schedule_args)
-        requests = sched.requests
+        out = self.sched.schedule(**schedule_args)
+        requests = self.sched.requests
         req_ids = list(out.num_scheduled_tokens)
         sampled = [[] if requests[r].is_prefill_chunk else [(self.steps * 31 + i) % VOCAB]
                    for i, r in enumerate(req_ids)]
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled,
-                                kv_connector_output=instant_offload_output(out.kv_connector_metadata, self.transfers))
-        self.outputs = sched.update_from_output(out, mro)
+        meta = out.kv_connector_metadata
+        worker = (self.cfg.worker_output(meta) if self.cfg.worker_output is not None
+                  else instant_offload_output(meta, self.transfers))
         self.steps += 1
+        return out, ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                      sampled_token_ids=sampled, kv_connector_output=worker)
+
+    def finish(self, launched: tuple[Any, Any]) -> None:
+        """update_from_output() of a scheduled step, with its ModelRunnerOutput."""
+        self.outputs = self.sched.update_from_output(*launched)
         if self.stats is not None:
             self.stats.extend(eco.scheduler_stats for eco in self.outputs.values()
                               if eco.scheduler_stats is not None)
-        return out
+
+    def run_overlapped(self, arrivals: Any = None, max_steps: int = 100_000) -> int:
+        """Run to the end with two steps in flight, as an async-scheduling engine does
+        (`EngineCore.step_with_batch_queue`, a queue of 2): the next step is scheduled before the last
+        one's output is given back. `arrivals(n)`, if given, is called before the n-th schedule (from 0)
+        to add requests. Returns the steps scheduled."""
+        from collections import deque
+
+        in_flight: deque = deque()
+        n = 0
+        while (self.has_work() or in_flight) and n < max_steps:
+            if arrivals is not None:
+                arrivals(n)
+            if self.has_work():
+                launched = self.schedule()
+                n += 1
+                in_flight.append(launched)
+                if len(in_flight) < 2 and (launched[0].total_num_scheduled_tokens > 0 or self.has_work()):
+                    continue  # the queue is not full: schedule the next step first
+            if in_flight:
+                self.finish(in_flight.popleft())
+        return n
 
     def eviction_events(self) -> list[Any]:
         """vLLM's KVCacheEvictionEvents (kv_cache_metrics) of every step so far, in order."""

@@ -55,7 +55,9 @@ def test_the_source_check_agrees_with_the_import_check(report, tmp_path):
     assert source["vllm"] == f"{vllm.__version__} (source)"
     # but for a backend whose third-party package is not installed here (FlashInfer on the CPU build):
     # imported, its module does not load (`unused`); in the source its builder is there
-    unused = {(p["probe"], h["hook"]) for p in report["probes"] for h in p["hooks"] if h["status"] == "unused"}
+    # (a hook whose subject is not in this release, e.g. deferred loads before 0.33, is `unused` in both)
+    unused = {(p["probe"], h["hook"]) for p in report["probes"] for h in p["hooks"]
+              if h["status"] == "unused" and h["detail"].startswith("backend not installed")}
     assert unused <= {("attention", "FlashInfer metadata")}, unused
 
     def without_unused(probes):

@@ -462,6 +462,78 @@ def test_lookahead_block_hashes_shift_full_blocks_as_vllm_hashes_them(drive):
     assert proc["engine_config"]["hash_lookahead_tokens"] == lookahead
 
 
+# ---- deferred async loads (vLLM 0.33: overlapping batches, a KV consumer, HiSparse) -----------------------
+def hisparse_shaped_async_scheduler() -> type:
+    """vLLM's AsyncScheduler with the KV cache config HiSparse gives it (a host block pool,
+    `hisparse_host_num_blocks`) and async scheduling on (as on a GPU; vLLM's CPU platform turns it off):
+    with a KV consumer and two steps in flight, vLLM then defers each async load's
+    `update_state_after_alloc` until the steps in flight have finished."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    class HiSparseShapedScheduler(AsyncScheduler):
+        def __init__(self, *args, vllm_config, kv_cache_config, **kwargs):
+            vllm_config.scheduler_config.async_scheduling = True
+            kv_cache_config.hisparse_host_num_blocks = 64
+            super().__init__(*args, vllm_config=vllm_config, kv_cache_config=kv_cache_config, **kwargs)
+
+    return HiSparseShapedScheduler
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_deferred_async_loads_keep_their_lookup_at_admission(drive, prefix_caching):
+    """With deferred loads, vLLM admits a request's external tokens in one schedule() and tells the
+    connector (`update_state_after_alloc`) later, in the update of a step that was in flight. The lookup
+    row stays at the admission (the step of the connector's match), with the external tokens the
+    connector was told later; the alloc row is at that update's step; the sums equal vLLM's own connector
+    counters; nothing is kept behind."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from tests.helpers.async_load_connector import finished_output
+
+    if not hasattr(Scheduler, "_drain_deferred_loads"):
+        pytest.skip("this vLLM tells the connector at admission (deferred loads: 0.33 and later)")
+    prompts = shared_prefix_prompts(12, groups=3, prefix_tokens=96, suffix_tokens=40)
+    cfg = DrivenConfig(num_blocks=200, max_num_seqs=4, enable_prefix_caching=prefix_caching,
+                       scheduler_cls=hisparse_shaped_async_scheduler(), worker_output=finished_output,
+                       extra={"kv_transfer_config": {
+                           "kv_connector": "AsyncLoadConnector", "kv_role": "kv_consumer",
+                           "kv_connector_module_path": "tests.helpers.async_load_connector"}})
+
+    def scenario(d):
+        assert d.sched.defer_async_loads
+
+        def arrivals(n):  # one request before each schedule: from the second on, a step is in flight
+            if 0 < n < len(prompts):
+                d.add(f"r{n}", prompts[n], 3)
+
+        d.add("r0", prompts[0], 3)
+        d.run_overlapped(arrivals)
+        stats = [s.connector_prefix_cache_stats for s in d.stats if s.connector_prefix_cache_stats is not None]
+        from kvtrace.probes import lifecycle
+
+        (prefix,) = [p for p in lifecycle._installed if p.name == "prefix_cache"]
+        return (list(d.sched.connector.allocs), sum(s.queries for s in stats), sum(s.hits for s in stats),
+                dict(prefix.external_matches))
+
+    session, (allocs, vllm_queries, vllm_hits, left) = drive(cfg, scenario, keep_stats=True)
+    told = {rid: n for rid, n in allocs if n}
+    assert len(told) == len(prompts)  # every request loaded external KV
+    transfers = rows(session, "transfers")
+    matched_at = {r["request_id"]: r["step"] for r in transfers if r["direction"] == "match"}
+    told_at = {r["request_id"]: r["step"] for r in transfers if r["direction"] == "alloc" and r["tokens"]}
+    # Told in the same schedule() as the match, or (deferred) in the update of a step in flight.
+    deferred = [rid for rid in told if told_at[rid] != matched_at[rid]]
+    assert len(deferred) >= len(prompts) // 2, (matched_at, told_at)  # the scenario does defer loads
+    lookups = rows(session, "prefix_lookups")
+    assert sorted(r["request_id"] for r in lookups) == sorted(told)  # one lookup per admission
+    for r in lookups:
+        rid = r["request_id"]
+        assert (r["step"], r["external_hit_tokens"]) == (matched_at[rid], told[rid]), r
+    assert sum(r["external_hit_tokens"] for r in lookups) == vllm_hits
+    assert sum(r["query_tokens"] - r["hit_tokens"] for r in lookups) == vllm_queries
+    assert left == {}
+
+
 # ---- why lookups missed (canned query prefix_misses) -------------------------------------------------
 def test_prefix_misses_are_classified_by_the_block_events(drive, tmp_path):
     """A 4-block prompt three times, the third after a request that takes the whole pool (8 blocks): its

@@ -15,6 +15,12 @@ Worker side (`step` = the `_kvtrace_step` tag of the SchedulerOutput being execu
   (or an overridden get_transfer_results) -> one row per request reported done (save = send finished,
   load = receive finished), or one `other` row when none was.
 
+Deferred loads (vLLM 0.33, with overlapping batches, a KV consumer and HiSparse): vLLM admits an async load
+but tells the connector (`update_state_after_alloc`) only once the steps in flight have finished, from a
+later `update_from_output`, keeping the admitted external tokens in `Scheduler.deferred_loads` meanwhile.
+The alloc row is written when the connector is told (that later step); the lookup, which vLLM counts at
+admission, gets the admitted external tokens then, read from `deferred_loads` as vLLM fills it.
+
 Bytes: a connector whose bound metadata lists requests with slot mappings (`meta.requests[i].slot_mapping`
 and `.is_store`, as ExampleConnector's does) gets one row per (request, layer) with bytes = slots x the
 layer's KV bytes per token; any other connector gets one row per call, save_kv_layer's bytes being the
@@ -27,13 +33,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvtrace.probes.base import Probe
+from kvtrace.probes.base import Hook, Probe
 from kvtrace.record.context import ctx
 
 _now = time.monotonic_ns
 FACTORY = "vllm.distributed.kv_transfer.kv_connector.factory"
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 WORKER = "vllm.v1.worker.worker_base"
+SCHED = "vllm.v1.core.sched.scheduler"
 
 # Scheduler-side methods that write no row but may hold or let go of blocks (offload connectors keep
 # blocks referenced while they are stored or loaded): wrapped only so their pool calls count as holds.
@@ -65,6 +72,21 @@ class _Conn:
         self.in_finish = False
 
 
+class DeferredLoads(dict):
+    """vLLM 0.33's `Scheduler.deferred_loads` (request -> (fence step, external tokens, queries, hits)) that
+    calls `on_deferred(request_id, entry)` as vLLM defers a load; otherwise the dict vLLM made."""
+
+    __slots__ = ("on_deferred",)
+
+    def __init__(self, items: dict, on_deferred: Any):
+        super().__init__(items)
+        self.on_deferred = on_deferred
+
+    def __setitem__(self, request_id: str, entry: tuple) -> None:
+        super().__setitem__(request_id, entry)
+        self.on_deferred(request_id, entry)
+
+
 def layer_token_bytes(kv_cache_config: Any) -> dict[str, int]:
     """KV bytes per token of each attention layer, from the KV cache spec (layout-independent)."""
     out: dict[str, int] = {}
@@ -92,6 +114,17 @@ def in_connector(method: Any, args: tuple, kwargs: dict) -> Any:
 
 class ConnectorProbe(Probe):
     name = "connector"
+
+    # vLLM 0.33's deferred async loads (see the module's docstring): the Scheduler built, then its
+    # `deferred_loads` watched. Releases without `_drain_deferred_loads` tell the connector at admission.
+    DEFERRED_LOADS = Hook("deferred loads", (
+        ((SCHED, "Scheduler.__init__", ()), (SCHED, "Scheduler._drain_deferred_loads", ())),
+        (),
+    ), required=False)
+
+    @classmethod
+    def hooks(cls):
+        return [*super().hooks(), cls.DEFERRED_LOADS]
 
     @classmethod
     def targets(cls):
@@ -146,6 +179,21 @@ class ConnectorProbe(Probe):
 
         self.patch(KVConnectorFactory, "create_connector", create_connector)
         self.patch(WorkerWrapperBase, "execute_model", execute_model)
+        self.sched_side: tuple[Any, _Conn] | None = None  # the last scheduler-side connector attached
+        if self.variant("deferred loads") == 0:
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            def scheduler_init(orig):
+                def wrapper(sched, *args, **kwargs):
+                    orig(sched, *args, **kwargs)
+                    if probe.enabled and getattr(sched, "defer_async_loads", False):
+                        try:
+                            probe.watch_deferred_loads(sched)
+                        except Exception as exc:
+                            probe.fail(exc)
+                return wrapper
+
+            self.patch(Scheduler, "__init__", scheduler_init)
 
     def uninstall(self) -> None:
         for conn, attrs in getattr(self, "instances", ()):
@@ -182,6 +230,7 @@ class ConnectorProbe(Probe):
         self.rec.info.setdefault("connectors", []).append(
             {"class": state.name, "role": side.lower(), "wrapped": wrapped})
         if side == "SCHEDULER":  # an offload tier's own BlockPool: its block events go apart, by this name
+            self.sched_side = (conn, state)
             from kvtrace.probes.vllm.kv_blocks import name_pools
 
             name_pools(conn, state.name)
@@ -286,6 +335,27 @@ class ConnectorProbe(Probe):
         query = request.num_tokens
         self.lookups_out.append((looked_at, ctx.step, rid, query, 0, 0, full, query - full * hash_block,
                                  None, num_external, 1 if request.num_preemptions > 0 else 0))
+
+    def watch_deferred_loads(self, sched: Any) -> None:
+        """A Scheduler that defers async loads was just built (with its connector, attached above): its
+        `deferred_loads` becomes a dict that reports each deferral, so the lookup vLLM counts at that
+        admission gets the external tokens it admitted (`update_state_after_alloc` comes steps later)."""
+        if self.sched_side is None or self.sched_side[0] is not sched.connector:
+            return  # a connector this probe did not wrap
+        state = self.sched_side[1]
+        probe = self
+
+        def on_deferred(request_id: str, entry: tuple) -> None:
+            if not probe.enabled:
+                return
+            try:
+                looked_at = state.lookups.pop(request_id, None)
+                if looked_at is not None:  # (fence step, external tokens, queries, hits)
+                    probe.on_admitted_lookup(state, sched.requests[request_id], int(entry[1]), looked_at)
+            except Exception as exc:
+                probe.fail(exc)
+
+        sched.deferred_loads = DeferredLoads(sched.deferred_loads, on_deferred)
 
     def _w_build_connector_meta(self, method, state):
         def wrapper(*args, **kwargs):

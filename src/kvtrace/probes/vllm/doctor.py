@@ -96,6 +96,8 @@ def _check(version: str | None, check_targets) -> dict[str, Any]:
                 variant = ", ".join(name for name, targets in zip(RUNNER_NAMES, hook.variants)
                                     if pick_variant(Hook(hook.name, (targets,)), check_targets)[0] is not None)
                 entry["hooks"].append({"hook": hook.name, "status": "attached", "detail": variant})
+            elif chosen is not None and not hook.variants[chosen]:  # what the hook handles is not in it
+                entry["hooks"].append({"hook": hook.name, "status": "unused", "detail": "not in this release"})
             elif chosen is not None:
                 variant = "via " + ", ".join(q for _, q, _ in hook.variants[chosen]) if len(hook.variants) > 1 else ""
                 entry["hooks"].append({"hook": hook.name, "status": "attached", "detail": variant})
