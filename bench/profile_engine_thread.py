@@ -19,7 +19,18 @@ wall time and CPU time: the engine thread's (its own clock), kvtrace's ring drai
 threads' (each reads its own clock at every turn of its loop) and the rest of the process's (vLLM's and CUDA's
 other threads). A variant's extra wall time is then work on the engine thread itself, or time that
 thread waits (for the GIL while kvtrace's threads run, or for the GPU). `--rounds N` runs the variants'
-processes N times in turns.
+processes N times in turns. `--py-spy PATH` adds, over the same window, which thread holds the GIL
+(py-spy sampling at 200 Hz without pausing the process): what the engine thread waits for is the time
+others hold it.
+
+`--ab` measures the KV records' cost inside one recorded process (a variant with the ring: default or
+all-layers), where the machine's drift between processes and minutes cannot reach: its repetitions
+alternate between the ring recording and the ring paused (its sampling set so that no step records:
+the record kernels still run and exit at once, the drain finds nothing, the host probes record as
+usual), in pairs whose order alternates, 2.5 s apart so that the drain and the shard writer finish one
+repetition's rows before the next starts (their CPU after the window is printed: the part of the cost
+the window misses). It prints the paired throughput ratio (recording / paused) with a bootstrap interval
+over the pairs, and the rows each recording repetition drained.
 """
 
 from __future__ import annotations
@@ -45,19 +56,138 @@ def kvtrace_threads_cpu_s() -> tuple[float, float]:
     """CPU seconds so far of this process's KV ring drain thread and shard writer thread (0 when not
     recording). Each reads its own clock at every turn of its loop (every drain, every flush), so a
     window's difference is exact to one turn at each end."""
-    from kvtrace.probes import lifecycle
     from kvtrace.record.recorder import current_recorder
 
     rec = current_recorder()
-    ring = next((p.ring for p in lifecycle.installed() if getattr(p, "ring", None) is not None), None)
+    ring = kv_ring()
     return (ring.stats.get("thread_cpu_s", 0.0) if ring is not None else 0.0,
             rec.writer_cpu_s if rec is not None else 0.0)
 
 
+# A sampling interval no step reaches in a run (steps are counted from 1): the ring records nothing.
+PAUSED = 1 << 62
+# Seconds between repetitions: past the recorder's flush interval (2 s) and a few drains (every 0.1 s).
+SETTLE_S = 2.5
+
+
+def kv_ring() -> object | None:
+    from kvtrace.probes import lifecycle
+
+    return next((p.ring for p in lifecycle.installed() if getattr(p, "ring", None) is not None), None)
+
+
+def drained_rows(ring) -> int:
+    """Rows the ring's drain has handed to the recorder so far (the drain runs every 100 ms: a
+    repetition's count includes the tail of the one before)."""
+    return int(ring.stats.get("kv_rows", 0)) + int(ring.stats.get("timing_rows", 0))
+
+
+def ab_worker(args, llm, params, prompts) -> None:
+    """Repetitions in pairs, the ring recording in one and paused in the other, the order alternating."""
+    ring = kv_ring()
+    if ring is None:
+        raise SystemExit("profile --ab: no KV ring in this process (run a variant that records KV accesses)")
+    reps = []
+    for pair in range(args.reps):
+        for recording in ((True, False) if pair % 2 == 0 else (False, True)):
+            ring.sample_every = 1 if recording else PAUSED
+            rows0, cpu0 = drained_rows(ring), sum(kvtrace_threads_cpu_s())
+            steps0, t0 = bgt.engine_steps(llm), time.perf_counter()
+            llm.generate(prompts(len(reps)), params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            steps, cpu1 = (bgt.engine_steps(llm) or 0) - (steps0 or 0), sum(kvtrace_threads_cpu_s())
+            # Untimed: the drain and the writer finish this repetition's rows before the next one starts
+            # (what they do now is outside the window: reported, as `settle_cpu_s`).
+            time.sleep(SETTLE_S)
+            reps.append({"pair": pair, "recording": recording, "seconds": seconds,
+                         "output_tokens": args.num_prompts * args.output_len, "steps": steps,
+                         "rows": drained_rows(ring) - rows0, "window_cpu_s": cpu1 - cpu0,
+                         "settle_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu1})
+    ring.sample_every = 1
+    Path(args.result).write_text(json.dumps(reps))
+
+
+def ab_report(variant: str, reps: list[dict]) -> str:
+    by_pair: dict[int, dict[bool, dict]] = {}
+    for r in reps:
+        by_pair.setdefault(r["pair"], {})[r["recording"]] = r
+    ratios = [bgt.throughput(p[True]) / bgt.throughput(p[False]) for p in by_pair.values()]
+    mean, lo, hi = bgt.paired_ci(ratios)
+    on = [r for r in reps if r["recording"]]
+    off = [r for r in reps if not r["recording"]]
+    per_step = [1e3 * sum(r["seconds"] for r in rs) / max(1, sum(r["steps"] for r in rs)) for rs in (on, off)]
+    window, settle = sum(r["window_cpu_s"] for r in on), sum(r["settle_cpu_s"] for r in on)
+    return (f"{variant}: recording / paused, paired over {len(ratios)} pairs: {mean:.4f} [{lo:.4f}, {hi:.4f}]; "
+            f"per pair {', '.join(f'{x:.3f}' for x in ratios)}; wall per step {per_step[0]:.3f} vs "
+            f"{per_step[1]:.3f} ms; rows drained per recording repetition {sum(r['rows'] for r in on) // max(1, len(on))}, "
+            f"per paused one {sum(r['rows'] for r in off) // max(1, len(off))}; kvtrace threads' CPU per recording "
+            f"repetition {window / max(1, len(on)):.3f} s in its window, {settle / max(1, len(on)):.3f} s after it")
+
+
+GIL_RATE_HZ = 200
+
+
+class GilSampler:
+    """py-spy sampling this process over the timed window, recording which thread holds the GIL
+    (`--gil`: a sample is taken only when one does; `--nonblocking`: the process is never paused)."""
+
+    def __init__(self, py_spy: str | None, out: str):
+        self.proc = None
+        if not py_spy:
+            return
+        import ctypes
+
+        # Let a child read this process (Yama ptrace_scope 1 allows only ancestors otherwise).
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1 & (2**64 - 1)), 0, 0, 0)  # PR_SET_PTRACER_ANY
+        self.proc = subprocess.Popen([py_spy, "record", "--pid", str(os.getpid()), "--gil", "--threads",
+                                      "--nonblocking", "--full-filenames", "--rate", str(GIL_RATE_HZ),
+                                      "--format", "raw", "--output", out],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # attached before the window opens
+        if self.proc.poll() is not None:
+            raise SystemExit(f"profile: py-spy could not sample this process: {self.proc.stderr.read()[-500:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            import signal
+
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=60)
+
+
+def gil_summary(raw: Path, seconds: float) -> str:
+    """Shares of the window's GIL by holder: kvtrace's two threads, the engine thread (in kvtrace's code or
+    not), vLLM's other threads, and nobody (every thread off the GIL)."""
+    by: dict[str, int] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        head, _, frames = stack.partition(";")
+        name = head.split(": ", 1)[-1]
+        if name in ("kvtrace-kv-ring", "kvtrace-writer"):
+            key = name
+        elif name == "MainThread":
+            # by the innermost frame (C calls show as their Python caller): kvtrace's wrappers are on
+            # most of the thread's stacks, around vLLM's code
+            leaf = frames.rpartition(";")[2]
+            ours = f"{os.sep}kvtrace{os.sep}" in leaf or "kvtrace wrapper" in leaf
+            key = "engine thread, in kvtrace code" if ours else "engine thread, other"
+        else:
+            key = "other threads"
+        by[key] = by.get(key, 0) + int(n)
+    ticks = max(1.0, seconds * GIL_RATE_HZ)
+    by["nobody"] = max(0, int(ticks) - sum(by.values()))
+    return "GIL held by: " + ", ".join(f"{k} {100 * v / ticks:.2f}%" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+
+
 def worker(args) -> None:
     """The timed repetitions under cProfile (a report), or with `--threads` without it (wall, and the CPU
-    of the engine thread, kvtrace's two threads and the whole process over them, as JSON)."""
+    of the engine thread, kvtrace's two threads and the whole process over them, as JSON), or `--ab`."""
     llm, params, prompts = bgt.warm_engine(args.model, args.input_len, args.output_len, args.num_prompts)
+    if args.ab:
+        return ab_worker(args, llm, params, prompts)
+    sampler = GilSampler(args.py_spy, args.result + ".gil") if args.threads else None
     batches = [prompts(rep) for rep in range(args.reps)]
     prof = None if args.threads else cProfile.Profile()
     steps0, t0 = bgt.engine_steps(llm), time.perf_counter()
@@ -69,6 +199,8 @@ def worker(args) -> None:
     if prof is not None:
         prof.disable()
     seconds = time.perf_counter() - t0
+    if sampler is not None:
+        sampler.stop()
     main_s, proc_s = time.thread_time() - main0, time.process_time() - proc0
     ring_s, writer_s = (b - a for a, b in zip(ours0, kvtrace_threads_cpu_s()))
     steps = (bgt.engine_steps(llm) or 0) - (steps0 or 0)
@@ -105,6 +237,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", action="store_true", help="no profiler: wall and CPU time per step by thread")
     ap.add_argument("--rounds", type=int, default=1, help="processes per variant, in turns (--threads)")
+    ap.add_argument("--py-spy", metavar="PATH", help="with --threads: py-spy samples which thread holds the GIL "
+                    "over the timed repetitions (its path)")
+    ap.add_argument("--ab", action="store_true",
+                    help="in one recorded process, --reps pairs of repetitions: the ring recording vs paused")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
@@ -127,7 +263,8 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", str(model), "--result",
                    str(result), "--reps", str(args.reps), "--num-prompts", str(args.num_prompts),
                    "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                   *(["--threads"] if args.threads else [])]
+                   *(["--threads"] if args.threads else []), *(["--ab"] if args.ab else []),
+                   *(["--py-spy", args.py_spy] if args.py_spy else [])]
             if bgt.VARIANTS[v] is not None:
                 cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session),
                        *bgt.VARIANTS[v], "--", *cmd]
@@ -135,8 +272,15 @@ def main() -> None:
             if proc.returncode != 0 or not result.exists():
                 raise SystemExit(f"profile: {v} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             said = [line for line in proc.stderr.splitlines() if line.startswith("kvtrace:")]
+            if args.ab:
+                print(ab_report(v, json.loads(result.read_text())), *said[-1:], sep="\n", flush=True)
+                shutil.rmtree(session, ignore_errors=True)
+                continue
             if args.threads:
-                print(thread_row(v, json.loads(result.read_text())), *said[-1:], sep="\n", flush=True)
+                r = json.loads(result.read_text())
+                gil = Path(str(result) + ".gil")
+                print(thread_row(v, r), *([gil_summary(gil, r["wall_s"])] if gil.exists() else []), *said[-1:],
+                      sep="\n", flush=True)
                 shutil.rmtree(session, ignore_errors=True)
                 continue
             print(f"== {args.shape} {v}\n" + result.read_text().split("all functions by self time:")[0]

@@ -17,6 +17,15 @@ fi
 for whl in "$STAGE"/flashinfer_python-*.whl; do
     [ -f "$whl" ] && [ ! -d "$SITE/flashinfer" ] && python3 -m zipfile -e "$whl" "$SITE/"
 done
+# py-spy, where its wheel was staged (`pip download --no-deps py-spy`): bench/profile_engine_thread.py
+# --py-spy "$KVTRACE_PY_SPY" samples which thread holds the GIL
+for whl in "$STAGE"/py_spy-*.whl; do
+    if [ -f "$whl" ] && [ ! -x /tmp/py-spy/bin/py-spy ]; then
+        mkdir -p /tmp/py-spy/bin && python3 -m zipfile -e "$whl" /tmp/py-spy/whl \
+            && cp /tmp/py-spy/whl/py_spy-*.data/scripts/py-spy /tmp/py-spy/bin/ && chmod +x /tmp/py-spy/bin/py-spy
+    fi
+done
+[ -x /tmp/py-spy/bin/py-spy ] && export KVTRACE_PY_SPY=/tmp/py-spy/bin/py-spy
 [ -d "$SITE" ] && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export KVTRACE_GPU_OUT="$OUT"
