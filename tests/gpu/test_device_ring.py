@@ -242,6 +242,46 @@ def test_a_ring_made_in_inference_mode_drains():
     assert rec.dropped == {} and not rec.warnings
 
 
+def test_the_drain_waits_for_the_gpu_asleep_and_without_the_gil():
+    """The drain thread waits for the GPU (a snapshot, a copy) on its blocking-sync events: asleep (its
+    own CPU clock hardly moves while the GPU is busy for 300 ms), without the GIL (a Python loop on this
+    thread runs meanwhile as often as with no wait going on), and without coming back for it to poll
+    (a handful of calls in the wait, where polling every millisecond made hundreds)."""
+    import sys
+    import threading
+
+    from kvtrace.probes.kv_access.cuda_ring import CudaKVAccessRing
+
+    g = make_ring(DEV, recorder=MemoryRecorder())
+    waiter_cpu, calls = [], []
+
+    def spin(seconds):
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += 1
+        return n
+
+    def wait():
+        sys.setprofile(lambda frame, event, arg: calls.append(event) if event in ("call", "c_call") else None)
+        t0 = time.thread_time()
+        CudaKVAccessRing._wait(g._copy_event)
+        waiter_cpu.append(time.thread_time() - t0)
+        sys.setprofile(None)
+
+    alone = spin(0.2)
+    torch.cuda._sleep(int(1.98e9 * 0.3 * 2))  # ~0.3 s or more of GPU time (cycles at up to ~2 GHz)
+    g._copy_event.record()
+    t = threading.Thread(target=wait)
+    t.start()
+    beside = spin(0.2)
+    t.join()
+    assert g._copy_event.query()  # the wait returned once the GPU got there
+    assert waiter_cpu[0] < 0.05, waiter_cpu  # slept (a spinning wait burns its whole length)
+    assert len(calls) < 10, len(calls)
+    assert beside > 0.7 * alone, (alone, beside)  # the GIL was free for this thread meanwhile
+    g.close()
+
+
 def test_a_drain_that_fails_counts_what_it_loses():
     """A drain that raises never takes the process down, and the records it could not hand over are
     counted as dropped (cause drain-error): rows + drops = records made."""

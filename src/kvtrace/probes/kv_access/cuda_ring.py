@@ -13,7 +13,7 @@ Hot path (inference thread), per call:
     snapshot), then `drain` when due (`_drain_due`: every 100 ms, or sooner when the ring may be a quarter
     full): an event on the inference stream, a 64-byte copy of the snapshot into pinned memory on a side
     stream that waits for that event, a queue put.
-Background thread: waits for the snapshot copy (polling the event, no spinning core), copies the records
+Background thread: waits for the snapshot copy (asleep, without the GIL: `_wait`), copies the records
 between the last drained position and the snapshot into pinned staging on a copy stream, reads the live head
 again to find records overwritten meanwhile, decodes with NumPy and hands the rows to the recorder; every
 `anchor_interval_s` it takes a clock anchor (a 1-thread kernel reading %globaltimer on a high-priority side
@@ -164,8 +164,9 @@ class CudaKVAccessRing(KVAccessRing):
             self._copy_stream = torch.cuda.Stream(self.device)
             self._anchor_stream = torch.cuda.Stream(self.device, priority=-1)
             self._snap_events = [torch.cuda.Event() for _ in range(NSNAP)]
-            self._done_events = [torch.cuda.Event() for _ in range(NSNAP)]
-            self._copy_event = torch.cuda.Event()
+            # The drain thread waits on these two kinds (`_wait`): blocking sync, so that it sleeps.
+            self._done_events = [torch.cuda.Event(blocking=True) for _ in range(NSNAP)]
+            self._copy_event = torch.cuda.Event(blocking=True)
             self._anchor_event = torch.cuda.Event()
             self._side_stream = torch.cuda.Stream(self.device)  # overlap mode: record kernels in graphs
             self._fork_event, self._join_event = torch.cuda.Event(), torch.cuda.Event()
@@ -402,11 +403,11 @@ class CudaKVAccessRing(KVAccessRing):
 
     @staticmethod
     def _wait(event: Any) -> None:
-        """Wait for a CUDA event without blocking-sync (which may spin a core for a whole step). Each
-        poll takes the GIL from the engine's thread for a moment: every 1 ms, not faster (a drain a
-        millisecond late costs nothing; 5,000 polls a second cost the engine GIL hand-overs)."""
-        while not event.query():
-            time.sleep(0.001)
+        """Wait for a CUDA event made with `blocking=True` (cudaEventBlockingSync): the thread sleeps in
+        the driver until the GPU gets there, with the GIL released (torch's `synchronize` lets it go),
+        neither spinning a core (a default event's sync does) nor polling (each poll took the GIL from
+        the engine's thread: ~200 hand-overs a second at one poll a millisecond)."""
+        event.synchronize()
 
     def _run(self) -> None:
         self._torch.cuda.set_device(self.index)  # makes the primary context current for CuPy launches
