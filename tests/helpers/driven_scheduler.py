@@ -6,6 +6,8 @@ of the host probes). Everything on the scheduling path is vLLM's own code: the `
 hasher (`get_request_block_hasher` over `prefix_caching_hash_algo`, as `EngineCore` sets it up). Only the
 model is missing: each step's `ModelRunnerOutput` is made up, one sampled token per scheduled request
 that finished its prompt (a partial prefill chunk samples nothing, as in the real model runner).
+`step()` schedules a step and gives its output back at once; `run_overlapped()` keeps two steps in flight,
+as an engine with async scheduling does.
 
 The `VllmConfig` comes from `EngineArgs(model=<tiny model dir>).create_engine_config()`, like a real
 engine's; the Scheduler is built as `kvtrace replay` builds its own (`kvtrace.replay.engine.build_scheduler`:
