@@ -138,7 +138,7 @@ class GilSampler:
         import ctypes
 
         # Let a child read this process (Yama ptrace_scope 1 allows only ancestors otherwise).
-        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1 & (2**64 - 1)), 0, 0, 0)  # PR_SET_PTRACER_ANY
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, PR_SET_PTRACER_ANY
         self.proc = subprocess.Popen([py_spy, "record", "--pid", str(os.getpid()), "--gil", "--threads",
                                       "--nonblocking", "--full-filenames", "--rate", str(GIL_RATE_HZ),
                                       "--format", "raw", "--output", out],

@@ -305,24 +305,26 @@ class ConnectorProbe(Probe):
                 rid = request.request_id
                 self._row(t0, t1, ctx.step, state, "update_state_after_alloc", "alloc", rid,
                           tokens=num_external)
-                looked_at = state.lookups.pop(rid, None)
-                if looked_at is None:
-                    return  # no lookup this admission (e.g. a request whose remote KV arrived)
-                self.on_admitted_lookup(state, request, num_external, looked_at)
+                self.on_admitted(state, request, num_external)
             return self._call(method, record, args, kwargs)
         return wrapper
 
-    def on_admitted_lookup(self, state: _Conn, request: Any, num_external: int, looked_at: int) -> None:
-        """vLLM admitted a request after a connector lookup (it counts the lookup right after this call).
+    def on_admitted(self, state: _Conn, request: Any, num_external: int) -> None:
+        """vLLM admitted a request with `num_external` tokens from the connector (it counts the lookup
+        right after telling the connector, or at once when it defers telling it).
 
-        The external tokens it admitted (after trimming the raw match to blocks and the local hit) go to
-        the prefix probe. When the local prefix cache is off for the request, the prefix probe writes no
+        After a connector lookup this admission (none, e.g., for a request whose remote KV arrived), the
+        external tokens it admitted (the raw match trimmed to blocks and past the local hit) go to the
+        prefix probe. When the local prefix cache is off for the request, the prefix probe writes no
         lookup row, so this probe writes it: hit_tokens 0, missed_hashes null (no local lookup).
         """
+        rid = request.request_id
+        looked_at = state.lookups.pop(rid, None)
+        if looked_at is None:
+            return
         prefix = self.prefix_probe()
         if prefix is None:
             return
-        rid = request.request_id
         prefix.external_matches[rid] = num_external
         kvm = state.kvm
         if kvm is None or kvm.prefix_cache_lookup_enabled(request):
@@ -348,10 +350,8 @@ class ConnectorProbe(Probe):
         def on_deferred(request_id: str, entry: tuple) -> None:
             if not probe.enabled:
                 return
-            try:
-                looked_at = state.lookups.pop(request_id, None)
-                if looked_at is not None:  # (fence step, external tokens, queries, hits)
-                    probe.on_admitted_lookup(state, sched.requests[request_id], int(entry[1]), looked_at)
+            try:  # entry: (fence step, external tokens, queries, hits)
+                probe.on_admitted(state, sched.requests[request_id], int(entry[1]))
             except Exception as exc:
                 probe.fail(exc)
 
