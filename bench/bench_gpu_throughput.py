@@ -66,6 +66,8 @@ VARIANTS = {
     "default-drain-each-step": ["--options-json", '{"kv_drain_interval_s": 0}'],
     # the default granularity on one step in 64: the per-step hooks stay, the device records go
     "default-sample-64": ["--kv-sample-every", "64"],
+    # the default granularity with the ring drained by Python (torch copies, NumPy) instead of _drain.c
+    "default-python-drain": ["--options-json", '{"kv_native_drain": false}'],
 }
 
 

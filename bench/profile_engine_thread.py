@@ -205,9 +205,12 @@ def worker(args) -> None:
     ring_s, writer_s = (b - a for a, b in zip(ours0, kvtrace_threads_cpu_s()))
     steps = (bgt.engine_steps(llm) or 0) - (steps0 or 0)
     if prof is None:
+        ring = kv_ring()
         Path(args.result).write_text(json.dumps({"steps": max(steps, 1), "wall_s": seconds, "engine_thread_cpu_s": main_s,
                                                  "ring_cpu_s": ring_s, "writer_cpu_s": writer_s,
-                                                 "process_cpu_s": proc_s}))
+                                                 "process_cpu_s": proc_s,
+                                                 "drains": ring.stats.get("drains", 0) if ring is not None else 0,
+                                                 "native_drain": ring.stats.get("native_drain") if ring is not None else None}))
         return
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # self time of every function
@@ -294,7 +297,8 @@ def thread_row(variant: str, r: dict) -> str:
     rest = r["process_cpu_s"] - r["engine_thread_cpu_s"] - r["ring_cpu_s"] - r["writer_cpu_s"]
     return (f"{variant:>18}: {r['steps']} steps, wall {r['wall_s'] / n:.3f} ms a step; CPU ms a step: engine "
             f"thread {r['engine_thread_cpu_s'] / n:.3f}, kvtrace-kv-ring {r['ring_cpu_s'] / n:.3f}, "
-            f"kvtrace-writer {r['writer_cpu_s'] / n:.3f}, other threads {rest / n:.3f}")
+            f"kvtrace-writer {r['writer_cpu_s'] / n:.3f}, other threads {rest / n:.3f}"
+            + (f"; {r['drains']} drains ({'native' if r['native_drain'] else 'Python'})" if r.get("drains") else ""))
 
 
 if __name__ == "__main__":

@@ -39,11 +39,13 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"
         >"$SITE/kvtrace-0.1.0.dist-info/entry_points.txt"
     export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# The native row logs (kvtrace/record/_columns.c): a setuptools that predates `ext-modules` in
-# pyproject.toml installs without them, and kvtrace then falls back to its slower Python row logs.
-if ! python3 -c "import kvtrace.record._columns" 2>/dev/null; then
-    gcc -O2 -std=c99 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-        src/kvtrace/record/_columns.c -o "src/kvtrace/record/_columns$(python3 -c \
-        'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" >>"$OUT/install.log" 2>&1 \
-        || echo "setup: the native row logs did not build (see install.log); Python ones are used" >&2
-fi
+# The native row logs (kvtrace/record/_columns.c) and drain (kvtrace/probes/kv_access/_drain.c): a
+# setuptools that predates `ext-modules` in pyproject.toml installs without them, and kvtrace then falls
+# back to its slower Python code.
+for ext in kvtrace/record/_columns kvtrace/probes/kv_access/_drain; do
+    if ! python3 -c "import ${ext//\//.}" 2>/dev/null; then
+        gcc -O2 -std=c99 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+            "src/$ext.c" -o "src/$ext$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
+            >>"$OUT/install.log" 2>&1 || echo "setup: src/$ext.c did not build (see install.log); Python code is used" >&2
+    fi
+done

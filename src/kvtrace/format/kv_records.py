@@ -11,6 +11,7 @@ in memory, the rows are the same.
 from __future__ import annotations
 
 import itertools
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -52,29 +53,68 @@ def unpack_records(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]
     }
 
 
-def owned_copy(recs: np.ndarray) -> pa.Buffer:
-    """The records' bytes in memory of their own (the ring's staging memory is reused). NumPy copies with
-    the GIL released, where bytes() (tobytes) holds it for the whole copy while the engine's thread waits
-    for it (bench/bench_drain_gil.py); the array is then wrapped without another copy."""
+class PackedRecords(NamedTuple):
+    """One drain's block records as the recorder holds them until its next flush, where `packed_batches`
+    makes them `kv_access_records` rows: nothing of Arrow is called on the drain's thread."""
+
+    data: Any  # count * 32 bytes in memory of their own (a buffer: NumPy array, _drain.Records)
+    clock: tuple[int, int, float]  # the clock mapping to decode their timestamps with
+    copies: tuple[int, ...]  # (layer, source layer) pairs, flattened: the layers recorded as another
+    count: int
+
+
+def owned_copy(recs: np.ndarray) -> np.ndarray:
+    """The records in memory of their own (the ring's staging memory is reused). NumPy copies with the
+    GIL released, where bytes() (tobytes) holds it for the whole copy while the engine's thread waits
+    for it (bench/bench_drain_gil.py)."""
     owned = np.empty(recs.shape, recs.dtype)
     np.copyto(owned, recs)
-    return pa.py_buffer(owned)
+    return owned
+
+
+# Records per shard batch at most, beyond one drain's (a batch's records are copied into one buffer).
+BATCH_BYTES = 64 << 20
+
+
+def packed_batches(rows: list[PackedRecords], sch: pa.Schema, max_bytes: int = BATCH_BYTES) -> list[pa.RecordBatch]:
+    """`kv_access_records` batches of these drains, one row each, in order: the drains of a flush joined
+    into as few batches as `max_bytes` of records allows. Built on the shard writer's thread once a flush:
+    Arrow's constructors let go of the GIL (they validate without it), and each time a background thread
+    takes it back the engine's thread stops for two thread wake-ups; a drain every 100 ms building its own
+    row did that tens of times a second (bench/bench_drain_gil.py)."""
+    out, group, size = [], [], 0
+    for row in (*rows, None):
+        if row is None or (group and size + row.count * REC_DTYPE.itemsize > max_bytes):
+            if group:
+                out.append(_packed_group(group, sch))
+            group, size = [], 0
+        if row is not None:
+            group.append(row)
+            size += row.count * REC_DTYPE.itemsize
+    return out
+
+
+def _packed_group(rows: list[PackedRecords], sch: pa.Schema) -> pa.RecordBatch:
+    parts = [np.frombuffer(r.data, np.uint8) for r in rows]
+    for r, part in zip(rows, parts):
+        if part.size != r.count * REC_DTYPE.itemsize:
+            raise ValueError(f"packed records: {part.size} bytes for {r.count} records")
+    data = parts[0] if len(parts) == 1 else np.concatenate(parts)  # one copy, the GIL let go
+    offsets = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum([p.size for p in parts], out=offsets[1:])
+    records = pa.Array.from_buffers(pa.large_binary(), len(rows), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    return pa.RecordBatch.from_arrays(
+        [pa.array([int(r.clock[0]) for r in rows], pa.int64()), pa.array([int(r.clock[1]) for r in rows], pa.int64()),
+         pa.array([float(r.clock[2]) for r in rows], pa.float64()), pa.array([r.count for r in rows], pa.int64()),
+         records, pa.array([list(r.copies) for r in rows], pa.list_(pa.int32()))],
+        schema=sch)
 
 
 def packed_batch(recs: np.ndarray, clock: tuple[int, int, float], sch: pa.Schema,
-                 copies: tuple[int, ...] = (), copy=owned_copy) -> pa.RecordBatch:
-    """One `kv_access_records` row: the records' bytes (`copy(recs)`), the clock mapping to decode their
-    timestamps with, and the layers recorded as copies of another (`copies`: (layer, source layer) pairs,
-    flattened)."""
-    data = copy(recs)
-    offsets = pa.py_buffer(np.array([0, data.size], dtype=np.int64))
-    records = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, data])
-    dev_ref, host_ref, slope = clock
-    return pa.RecordBatch.from_arrays(
-        [pa.array(np.array([dev_ref], np.int64)), pa.array(np.array([host_ref], np.int64)),
-         pa.array(np.array([slope], np.float64)), pa.array(np.array([len(recs)], np.int64)), records,
-         pa.array([list(copies)], pa.list_(pa.int32()))],
-        schema=sch)
+                 copies: tuple[int, ...] = ()) -> pa.RecordBatch:
+    """One `kv_access_records` row: the records' bytes, the clock mapping to decode their timestamps with,
+    and the layers recorded as copies of another (`copies`: (layer, source layer) pairs, flattened)."""
+    return packed_batches([PackedRecords(owned_copy(recs), clock, tuple(copies), len(recs))], sch)[0]
 
 
 def copy_layers(cols: dict[str, np.ndarray], copies: tuple[int, ...] | list[int]) -> dict[str, np.ndarray]:

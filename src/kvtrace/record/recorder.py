@@ -33,12 +33,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import pyarrow as pa
 
 from kvtrace.format import schema
-from kvtrace.format.kv_records import packed_batch
+from kvtrace.format.kv_records import PackedRecords, owned_copy, packed_batches
 from kvtrace.format.session import PROC_FILE, session_size_bytes, write_json_atomic
 from kvtrace.format.shards import WRITE_POOL, ShardWriter, batch_rows, rows_to_batch
 from kvtrace.record.buffers import row_log
@@ -188,6 +189,8 @@ class Recorder:
         for r in self._take(table):
             if isinstance(r, pa.RecordBatch):
                 out.extend(zip(*(col.to_pylist() for col in r.columns)))
+            elif isinstance(r, PendingColumns):
+                out.extend(zip(*(col.tolist() for col in r.cols.values())))
             else:
                 out.append(r)
         return out
@@ -200,18 +203,25 @@ class Recorder:
         if isinstance(cols, pa.RecordBatch) and cols.schema.equals(sch):  # a native log's take(): as it is
             self.buffers[table].append(cols)
             return
+        pending = PendingColumns.of(sch, cols)
+        if pending is not None:  # NumPy columns: converted at the flush, on the writer's thread
+            self.buffers[table].append(pending)
+            return
         # Arrow arrays are taken as they are, other columns converted; from_arrays checks their types.
         batch = pa.RecordBatch.from_arrays([col if isinstance(col, pa.Array) else pa.array(col, type=t, memory_pool=WRITE_POOL)
                                             for col, t in zip(map(cols.__getitem__, sch.names), _types(table))],
                                            schema=sch)
         self.buffers[table].append(batch)  # a whole batch in the row list; the flush tells them apart
 
-    def append_kv_records(self, recs: Any, clock: tuple[int, int, float], copies: tuple[int, ...] = ()) -> None:
+    def append_kv_records(self, recs: Any, clock: tuple[int, int, float], copies: tuple[int, ...] = (),
+                          owned: bool = False) -> None:
         """A KV access ring's drained records, packed as they are into one `kv_access_records` row
         (decoded by ingest, format/kv_records.py): a copy and a few small arrays, whatever the count.
-        `copies`: (layer, source layer) pairs, flattened, of the layers recorded as their source."""
+        `copies`: (layer, source layer) pairs, flattened, of the layers recorded as their source.
+        `owned`: the records are in memory of their own, kept as they are (no copy). Held as they are
+        until the flush makes them shard rows (`packed_batches`)."""
         self.buffers["kv_access_records"].append(
-            packed_batch(recs, clock, schema.arrow_schema("kv_access_records"), copies))
+            PackedRecords(recs if owned else owned_copy(recs), clock, tuple(copies), len(recs)))
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def add_clock_anchor(self, device_ns: int | None = None, source: str = "host") -> None:
@@ -432,8 +442,40 @@ def _types(table: str) -> tuple[pa.DataType, ...]:
 
 
 def _row_count(table: str, rows: list) -> int:
-    """Rows that `rows` (batches and tuples) stand for, as drops count them (shards.batch_rows)."""
-    return sum(batch_rows(table, r) if isinstance(r, pa.RecordBatch) else 1 for r in rows)
+    """Rows that `rows` (batches and tuples) stand for, as drops count them (shards.batch_rows): a
+    drain's packed records as its records."""
+    return sum(batch_rows(table, r) if isinstance(r, pa.RecordBatch)
+               else r.count if isinstance(r, (PackedRecords, PendingColumns)) else 1 for r in rows)
+
+
+class PendingColumns(NamedTuple):
+    """Rows appended as whole NumPy columns (a ring's decoded rows), held as they are until the flush
+    converts them to Arrow on the writer's thread, all of a flush's at once: Arrow converts with the GIL
+    let go, and each time a background thread (the ring's drain) takes it back the engine's thread
+    stops for two thread wake-ups (bench/bench_drain_gil.py)."""
+
+    cols: dict[str, np.ndarray]  # schema column order
+    count: int
+
+    @staticmethod
+    def of(sch: pa.Schema, cols: Any) -> PendingColumns | None:
+        """`cols` held as they are when each of `sch`'s columns is a 1-D NumPy array of numbers, all of one
+        length; None otherwise (converted at once). A missing column raises KeyError now, as always."""
+        arrays = {name: cols[name] for name in sch.names}
+        lengths = {a.shape[0] if isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iufb" else -1
+                   for a in arrays.values()}
+        if len(lengths) != 1 or -1 in lengths:
+            return None
+        return PendingColumns(arrays, lengths.pop())
+
+
+def _converted(table: str, pending: list[PendingColumns]) -> pa.RecordBatch:
+    """A run of held NumPy columns as one batch: each column joined, then converted once."""
+    sch = schema.arrow_schema(table)
+    cols = {name: np.concatenate([p.cols[name] for p in pending]) if len(pending) > 1 else pending[0].cols[name]
+            for name in sch.names}
+    return pa.RecordBatch.from_arrays([pa.array(cols[name], type=t, memory_pool=WRITE_POOL)
+                                       for name, t in zip(sch.names, _types(table))], schema=sch)
 
 
 def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordBatch]:
@@ -441,10 +483,21 @@ def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordB
     Consecutive batches that fit in `max_rows` together are joined into one: the logs hand a table's rows
     over several times between two flushes, and each batch written costs an IPC message (its metadata
     per column) and a write() of its own."""
+    if table == "kv_access_records":  # a drain's records a row; batches of them joined only once, here
+        return packed_batches(rows, schema.arrow_schema(table))
     out: list[pa.RecordBatch] = []
     run: list[tuple] = []
+    held: list[PendingColumns] = []
     for row in rows:
-        if isinstance(row, pa.RecordBatch):
+        if not isinstance(row, PendingColumns) and held:
+            out.append(_converted(table, held))
+            held = []
+        if isinstance(row, PendingColumns):
+            if run:
+                out.append(rows_to_batch(table, run))
+                run = []
+            held.append(row)
+        elif isinstance(row, pa.RecordBatch):
             if run:
                 out.append(rows_to_batch(table, run))
                 run = []
@@ -456,8 +509,8 @@ def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordB
                 run = []
     if run:
         out.append(rows_to_batch(table, run))
-    if table == "kv_access_records":  # a row holds a whole drain's records: joining would only copy them
-        return out
+    if held:
+        out.append(_converted(table, held))
     return _joined(out, max_rows) if len(out) > 1 else out
 
 

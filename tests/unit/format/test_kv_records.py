@@ -8,8 +8,15 @@ import pyarrow as pa
 import pytest
 
 from kvtrace.errors import KvtraceError
-from kvtrace.format import schema
-from kvtrace.format.kv_records import IDENTITY_CLOCK, REC_DTYPE, expand_kv_records, packed_batch
+from kvtrace.format import kv_records, schema
+from kvtrace.format.kv_records import (
+    IDENTITY_CLOCK,
+    REC_DTYPE,
+    PackedRecords,
+    expand_kv_records,
+    packed_batch,
+    packed_batches,
+)
 
 SCHEMA = schema.arrow_schema("kv_access_records")
 
@@ -46,6 +53,25 @@ def test_packed_records_expand_to_the_decoded_rows():
     assert got["op"] == ((both["meta"] >> 16) & 1).tolist()
     assert got["token_offset"] == (both["tok"] & 0xFFFF).tolist()
     assert got["token_count"] == (both["tok"] >> 16).tolist()
+
+
+def test_a_flush_joins_drains_into_batches_of_bounded_size():
+    """The writer makes a flush's drains into as few batches as the byte bound allows, one row a drain
+    in order, the same rows as one batch a drain; a drain larger than the bound is a batch of its own."""
+    drains = [records(n, seed) for seed, n in enumerate((5, 40, 0, 300, 2, 9))]
+    clocks = [(i * 1000, i * 7000, 1.0 + i * 1e-6) for i in range(len(drains))]
+    rows = [PackedRecords(kv_records.owned_copy(d), c, (i, 0) if i else (), len(d))
+            for i, (d, c) in enumerate(zip(drains, clocks))]
+    bound = 100 * REC_DTYPE.itemsize
+    batches = packed_batches(rows, SCHEMA, max_bytes=bound)
+    assert [b.num_rows for b in batches] == [3, 1, 2]  # 5 + 40 + 0 fit; 300 alone; 2 + 9
+    joined = pa.Table.from_batches(batches).to_pylist()
+    alone = pa.Table.from_batches([packed_batch(d, c, SCHEMA, r.copies) for d, c, r in zip(drains, clocks, rows)]).to_pylist()
+    assert joined == alone
+    assert [sum(b.column("records_count").to_pylist()) for b in batches] == [45, 300, 11]
+    rows[1] = rows[1]._replace(count=41)
+    with pytest.raises(ValueError, match="bytes for 41 records"):
+        packed_batches(rows, SCHEMA)
 
 
 def test_an_empty_drain_expands_to_no_rows():

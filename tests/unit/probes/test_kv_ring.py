@@ -239,8 +239,9 @@ def test_rows_fit_the_schema(tmp_path):
     """Rows go through the real recorder into Arrow shards with kvtrace.format.schema types: timing rows
     as columns, block records packed (kv_access_records), which ingest's expansion turns into exactly
     the rows the ring decodes for a recorder that keeps rows in memory."""
-    from kvtrace.format.shards import loaded_batch, rows_to_batch
-    from kvtrace.record.recorder import Recorder
+    from kvtrace.format import schema
+    from kvtrace.format.shards import loaded_batch
+    from kvtrace.record.recorder import Recorder, _batches
 
     meta = make_metadata(random.Random(11))
     memory = MemoryRecorder()
@@ -258,11 +259,10 @@ def test_rows_fit_the_schema(tmp_path):
         t1 = time.monotonic_ns()
         assert rec._take("kv_access") == []  # block records go packed
         for table in ("kv_access_records", "layer_timings"):
-            rows = rec._take(table)  # row tuples, or whole RecordBatches (append_columns, a RowLog's)
-            tuples = [r for r in rows if isinstance(r, tuple)]
-            if tuples:
-                assert rows_to_batch(table, tuples).num_rows == len(tuples)
-            assert len(tuples) + sum(r.num_rows for r in rows if not isinstance(r, tuple)) > 0
+            # row tuples, whole RecordBatches (append_columns, a RowLog's) or a drain's packed records,
+            # as the writer makes them into shard batches
+            rows = _batches(table, rec._take(table))
+            assert rows and all(b.schema.equals(schema.arrow_schema(table)) for b in rows)
             if table == "kv_access_records":
                 expanded = [loaded_batch(table, b).to_pylist() for b in rows]
                 got = [r for part in expanded for r in part]

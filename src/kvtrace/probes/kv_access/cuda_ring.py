@@ -15,9 +15,12 @@ Hot path (inference thread), per call:
     stream that waits for that event, a queue put.
 Background thread: waits for the snapshot copy (asleep, without the GIL: `_wait`), copies the records
 between the last drained position and the snapshot into pinned staging on a copy stream, reads the live head
-again to find records overwritten meanwhile, decodes with NumPy and hands the rows to the recorder; every
-`anchor_interval_s` it takes a clock anchor (a 1-thread kernel reading %globaltimer on a high-priority side
-stream, best of 5 round trips).
+again to find records overwritten meanwhile, keeps the intact block records and hands them to the recorder
+packed (timing records decoded); every `anchor_interval_s` it takes a clock anchor (a 1-thread kernel
+reading %globaltimer on a high-priority side stream, best of 5 round trips). Where `_drain.c` is built, one
+native call does a drain's waits, copies and lap check without the GIL (`_drain_native`): each time the
+thread takes the GIL back the engine's thread stops for two thread wake-ups, and the Python path
+(`_drain_to`) took it back a dozen times a drain.
 
 The kernels are in `cuda_ring_kernels.cu` next to this file (package data: `*.cu`).
 """
@@ -35,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtrace.probes.kv_access import ring as ring_module
 from kvtrace.probes.kv_access.ring import REC_DTYPE, TIM_DTYPE, KVAccessRing
 
 KERNEL_SOURCE = Path(__file__).with_name("cuda_ring_kernels.cu")
@@ -170,7 +174,7 @@ class CudaKVAccessRing(KVAccessRing):
             self._anchor_event = torch.cuda.Event()
             self._side_stream = torch.cuda.Stream(self.device)  # overlap mode: record kernels in graphs
             self._fork_event, self._join_event = torch.cuda.Event(), torch.cuda.Event()
-            for ev in self._snap_events + self._done_events + [self._fork_event, self._join_event]:
+            for ev in self._snap_events + self._done_events + [self._fork_event, self._join_event, self._copy_event]:
                 ev.record(self._snap_stream)  # creates the CUDA event, so its raw handle exists
             torch.cuda.synchronize(self.device)  # construction only: the fills above are done before use
         # The drain's hot path goes through CuPy's thin runtime bindings on raw handles (~0.5 us a call)
@@ -190,6 +194,13 @@ class CudaKVAccessRing(KVAccessRing):
             _install_capture_join()
             _OVERLAP_RINGS.add(self)
 
+        # The drain in C where it is built and the driver's functions are found (`_drain_native`); the
+        # Python one otherwise, or when the owner sets `native_drain` False (benchmarks compare them).
+        self._cu_fns = _driver_functions() if ring_module.native_drain is not None else None
+        self.native_drain = self._cu_fns is not None
+        self._native_ptrs = (self._ring.data_ptr(), self._stage.data_ptr(), self._tring.data_ptr(),
+                             self._tstage.data_ptr(), self._live_host.data_ptr(), self._copy_stream.cuda_stream,
+                             self._copy_event.cuda_event)
         self._state_args = _StateArgs(state=self._state.data_ptr())
         self._state_launch = _Launch(None, self._state_args, 1)
         self._timer_arg = ctypes.c_uint64(self._timer.data_ptr())
@@ -343,6 +354,12 @@ class CudaKVAccessRing(KVAccessRing):
             return
         self._start_thread()
         self._steps_since_drain, self._drained_at = 0, time.monotonic()
+        slot = self._snapshot()
+        self._queue.put(("snap", slot, self._done_events[slot], _ack))
+
+    def _snapshot(self) -> int:
+        """Copy the state words (the heads) into a pinned snapshot slot once the inference stream gets
+        here, on a side stream; the slot's done event marks the copy. Returns the slot."""
         rt, side = self._rt, self._snap_stream_ptr
         slot = self._snap_count % NSNAP
         self._snap_count += 1
@@ -352,7 +369,7 @@ class CudaKVAccessRing(KVAccessRing):
         rt.memcpyAsync(self._snap_host_ptr + slot * SNAP_WORDS * 8, self._state_ptr, SNAP_WORDS * 8,
                        rt.memcpyDeviceToHost, side)  # pinned destination: asynchronous
         rt.eventRecord(done, side)
-        self._queue.put(("snap", slot, self._done_events[slot], _ack))
+        return slot
 
     def flush(self, timeout_s: float = 30.0) -> None:
         if self.closed:
@@ -428,12 +445,21 @@ class CudaKVAccessRing(KVAccessRing):
             try:
                 if snaps:
                     _, slot, done, _ = snaps[-1]
-                    self._wait(done)
-                    snap = self._snap_host[slot].numpy()
-                    heads = int(snap[ST_SNAP_REC]), int(snap[ST_SNAP_TIM])
-                    self._learn_rate(snap, heads)
                     t0 = time.perf_counter()
-                    self._drain_to(*heads)
+                    native = self.native_drain and self._cu_fns is not None and ring_module.native_drain is not None
+                    self.stats["native_drain"] = native  # proc.json: which drain ran
+                    if native:
+                        drained = self._drain_native(slot)
+                        heads = drained[2]
+                        self._learn_rate(self._snap_host[slot].numpy(), heads)
+                        self._emit_native(drained)
+                    else:
+                        self._wait(done)
+                        snap = self._snap_host[slot].numpy()
+                        heads = int(snap[ST_SNAP_REC]), int(snap[ST_SNAP_TIM])
+                        self._learn_rate(snap, heads)
+                        t0 = time.perf_counter()
+                        self._drain_to(*heads)
                     self.stats["drain_s"] += time.perf_counter() - t0
                     self.stats["drains"] = self.stats.get("drains", 0) + 1
                 if time.monotonic() >= next_anchor:
@@ -460,6 +486,33 @@ class CudaKVAccessRing(KVAccessRing):
                 self.stats["kv_dropped" if table == "kv_access" else "timing_dropped"] += n
                 self.recorder.count_drop(table, n * (self._drop_units if table == "kv_access" else 1), cause)
                 setattr(self, attr, hd)
+
+    def _drain_native(self, slot: int) -> tuple:
+        """What `_wait` of the snapshot and `_drain_to` do, in one native call without the GIL (_drain.c):
+        (error, where, heads, (lo, n, timing lo, timing n), live heads, kept block records)."""
+        ring, stage, tring, tstage, live, stream, event = self._native_ptrs
+        drained = ring_module.native_drain.drain_device(
+            self._cu_fns, self._done_ev[slot], self._snap_host_ptr + slot * SNAP_WORDS * 8,
+            (ST_SNAP_REC, ST_SNAP_TIM), (ST_REC_HEAD, ST_TIM_HEAD), (ring, stage, self._tail, self.capacity),
+            (tring, tstage, self._ttail, self.timing_capacity), self._state_ptr, live, stream, event, self.log2cap)
+        if drained[2] is None:  # the snapshot was not read: nothing known to count
+            raise RuntimeError(f"CUDA error {drained[0]} {drained[1]}")
+        return drained
+
+    def _emit_native(self, drained: tuple) -> None:
+        """Emit a native drain's records: the kept block records as they are, the timing records decoded
+        from their staging memory (a few per layer and step)."""
+        err, where, (head, thead), (lo, n, tlo, tn), (live_head, live_thead), kept = drained
+        if err:
+            raise RuntimeError(f"CUDA error {err} {where}")
+        if n:
+            self._emit_window(np.frombuffer(kept, REC_DTYPE), self._tail, head, timing=False, owned=True)
+            self._tail = head
+        if tn:
+            recs = self._tstage.numpy().view(TIM_DTYPE)[:tn]
+            self._decode_window(recs, tlo, self._ttail, thead, self.log2tcap,
+                                max(tlo, live_thead - self.timing_capacity), True)
+            self._ttail = thead
 
     def _drain_to(self, head: int, thead: int) -> None:
         """Copy positions [tail, head) of both rings to pinned memory, check, decode, emit."""
@@ -542,6 +595,17 @@ def _close_at_exit(ref: weakref.ref) -> None:
     ring = ref()
     if ring is not None:
         ring.close()
+
+
+def _driver_functions() -> tuple[int, int, int] | None:
+    """Addresses of cuEventSynchronize, cuEventRecord and cuMemcpyDtoHAsync_v2 in the CUDA driver torch
+    loaded, for the native drain; None where they cannot be read (the Python drain is used)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                     for name in ("cuEventSynchronize", "cuEventRecord", "cuMemcpyDtoHAsync_v2"))
+    except (OSError, AttributeError):
+        return None
 
 
 def _relax_capture_mode() -> None:

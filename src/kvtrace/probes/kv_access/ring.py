@@ -90,6 +90,8 @@ head snapshots rely on it). Create the ring before any CUDA graph is captured (i
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
 import time
 from collections.abc import Iterable
@@ -98,6 +100,14 @@ from typing import Any
 import numpy as np
 
 from kvtrace.format.kv_records import IDENTITY_CLOCK, REC_DTYPE, copy_layers, to_host_ns, unpack_records  # noqa: F401
+
+try:  # the drain's lap check and copy without the GIL (_drain.c); NumPy where it is not built or KVTRACE_NATIVE=0
+    if os.environ.get("KVTRACE_NATIVE", "1") == "0":
+        raise ImportError("KVTRACE_NATIVE=0")
+    # by its full name: the extension is a leaf module, not an import of this package's __init__
+    native_drain = importlib.import_module("kvtrace.probes.kv_access._drain")
+except ImportError:
+    native_drain = None
 
 OP_READ, OP_WRITE = 0, 1
 LAP_BITS = 15
@@ -385,12 +395,21 @@ class KVAccessRing:
         """
         skip = max(0, min_valid - first_pos)
         recs = recs[skip:]
+        if native_drain is not None and not timing and self._append_records is not None and recs.flags.c_contiguous:
+            # kept in memory of their own by one native call without the GIL (_drain.c)
+            kept = np.frombuffer(native_drain.keep_intact(recs, first_pos + skip, log2cap), REC_DTYPE)
+            return self._emit_window(kept, tail, head, timing, owned=True)
         ok = lap_ok(recs, first_pos + skip, log2cap)
-        good = recs if ok.all() else recs[ok]
+        self._emit_window(recs if ok.all() else recs[ok], tail, head, timing)
+
+    def _emit_window(self, good: np.ndarray, tail: int, head: int, timing: bool, owned: bool = False) -> None:
+        """Emit a window's intact records (`good`) and count the rest of positions [tail, head) as
+        dropped. `owned`: `good` is in memory of its own (not the ring's or its staging memory)."""
         table = "layer_timings" if timing else "kv_access"
         dropped = (head - tail) - good.size
         if good.size and not timing and self._append_records is not None:
-            self._append_records(good, self._clock(), self._copies)  # packed as they are; ingest decodes them
+            # packed as they are; ingest decodes them
+            self._append_records(good, self._clock(), self._copies, owned)
         elif good.size:
             ts = self._to_host_ns(good["ts"])
             self._emit(table, unpack_timings(good, ts) if timing else copy_layers(unpack_records(good, ts), self._copies))

@@ -332,6 +332,10 @@ class AttentionProbe(Probe):
         if "kv_drain_interval_s" in self.options and hasattr(ring, "DRAIN_EVERY_S"):
             # CUDA ring, experts and benchmarks: {"kv_drain_interval_s": 0} drains every step
             ring.DRAIN_EVERY_S = float(self.options["kv_drain_interval_s"])
+        if "kv_native_drain" in self.options and hasattr(ring, "native_drain"):
+            # CUDA ring, benchmarks: {"kv_native_drain": false} drains through torch and NumPy instead of
+            # _drain.c (its GIL hand-overs are what the native drain saves)
+            ring.native_drain = bool(self.options["kv_native_drain"])
         return ring
 
     def close(self) -> None:
