@@ -124,6 +124,8 @@ def test_every_flushed_shard_ingests_and_the_session_is_incomplete(killed, kill)
                 continue
             if table == "decode_runs":  # runs, each one or more decode rows of step_requests
                 got = query(db, "select count(*) from step_requests where pid = ? and phase = 'decode'", [pid])[0][0]
+            elif table == "batch_slot_runs":  # runs, each one or more batch_slots rows
+                got = query(db, "select count(*) from batch_slots where pid = ?", [pid])[0][0]
             elif table == "kv_access_records":  # ring drains, each one or more kv_access rows
                 got = query(db, "select count(*) from kv_access where pid = ?", [pid])[0][0]
             else:

@@ -20,8 +20,8 @@ import pyarrow as pa
 
 # Bump when a column is removed or changes meaning, or a table is added (older readers refuse shards of
 # tables they do not know); adding a trailing column is compatible (older shards read with nulls).
-SCHEMA_VERSION = 4  # 2: decode rows may come as decode_runs shards; 3: kv_access_records, offload_block_events;
-# 4: kv_access_records.layer_copies
+SCHEMA_VERSION = 5  # 2: decode rows may come as decode_runs shards; 3: kv_access_records, offload_block_events;
+# 4: kv_access_records.layer_copies; 5: batch_slots rows may come as batch_slot_runs shards
 # Readers accept shards and manifests from this version up to SCHEMA_VERSION.
 OLDEST_READABLE_SCHEMA_VERSION = 1
 
@@ -253,6 +253,15 @@ RUN_TABLES: dict[str, tuple[str, tuple[Column, ...]]] = {
         _c("tokens", i32, "tokens", "tokens scheduled for the request in each step of the run"),
         _c("computed_before", i32, "tokens", "num_computed_tokens before the run's first step"),
         _c("new_blocks", i32, "blocks", "blocks newly allocated in the run's first step (0 in the others)"),
+    )),
+    # batch_slots rows, one row per slot of a run of consecutive steps whose batches held the same
+    # requests in the same rows: row i of a run (0 <= i < steps) is step `step + i`. The attention probe
+    # writes these instead of a row per (step, slot): a decode batch keeps its rows for many steps.
+    "batch_slot_runs": ("batch_slots", (
+        _c("step", i64, "", "engine step id of the run's first step"),
+        _c("steps", i32, "steps", "consecutive steps in which the batch held the same requests in the same rows"),
+        _c("slot", i32, "", "row of the request in the attention metadata"),
+        _c("request_id", s, "", "vLLM request id"),
     )),
     # kv_access rows as the KV access ring stores them: one row per drain, its records packed as they are
     # (32 bytes each, format/kv_records.py REC_DTYPE) with the clock mapping of that moment; ingest decodes

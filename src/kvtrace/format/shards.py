@@ -359,9 +359,41 @@ def expand_decode_runs(batch: pa.RecordBatch, where: object = "decode_runs") -> 
     return pa.RecordBatch.from_arrays([arrays[f.name] for f in into], schema=into)
 
 
-EXPAND = {"decode_runs": expand_decode_runs, "kv_access_records": expand_kv_records}
+def expand_batch_slot_runs(batch: pa.RecordBatch, where: object = "batch_slot_runs") -> pa.RecordBatch:
+    """The batch_slots rows a batch_slot_runs batch stands for (schema.RUN_TABLES): row i of a run is step
+    `step + i` with the run's slot and request. Runs come out in their order, each run's rows in step
+    order. `where` names the shard in the error a damaged batch gets."""
+    nulls = [f.name for f, c in zip(batch.schema, batch.columns) if c.null_count and f.name != "request_id"]
+    if nulls:  # a request id may be null (an empty row), as in batch_slots; nothing else may
+        raise KvtraceError(f"{where}: batch_slot_runs batch with nulls in {', '.join(nulls)}; not a shard "
+                           f"kvtrace wrote")
+    steps = batch.column("steps").to_numpy(zero_copy_only=False).astype(np.int64)
+    if batch.num_rows and (steps.min() < 1 or steps.max() > MAX_RUN_STEPS):
+        raise KvtraceError(f"{where}: batch slot run of {int(steps.min() if steps.min() < 1 else steps.max())} "
+                           f"steps; not a shard kvtrace wrote")
+    total = int(steps.sum())
+    if total > MAX_EXPANDED_ROWS:
+        raise KvtraceError(f"{where}: batch slot runs standing for {total} rows in one batch; not a shard "
+                           f"kvtrace wrote")
+    run = np.repeat(np.arange(batch.num_rows), steps)
+    i = np.arange(total) - np.repeat(np.cumsum(steps) - steps, steps)  # the row's place in its run
+    into = schema.arrow_schema("batch_slots")
+    first = batch.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+    return pa.RecordBatch.from_arrays(
+        [pa.array(first[run] + i, pa.int64()), pa.array(batch.column("slot").to_numpy(zero_copy_only=False)[run], pa.int32()),
+         batch.column("request_id").take(pa.array(run))], schema=into)
+
+
+# Rows one batch of a run table may expand into (a flush's batch_slot_runs stand for a few million at
+# most): bounds what a damaged shard can make ingest allocate.
+MAX_EXPANDED_ROWS = 1 << 27
+
+
+EXPAND = {"decode_runs": expand_decode_runs, "batch_slot_runs": expand_batch_slot_runs,
+          "kv_access_records": expand_kv_records}
 # How many rows a run table's batch stands for, without making them.
 EXPANDED_ROWS = {"decode_runs": lambda batch: int(pc.sum(batch.column("steps")).as_py() or 0),
+                 "batch_slot_runs": lambda batch: int(pc.sum(batch.column("steps")).as_py() or 0),
                  "kv_access_records": lambda batch: int(pc.sum(batch.column("records_count")).as_py() or 0)}
 
 

@@ -307,8 +307,9 @@ def _copies(shards: list[tuple], issues: list[tuple[str, str, int]]) -> set[Path
 
 
 def _timed(table: str) -> bool:
-    """Whether every row of a shard table carries a time (a column in ns)."""
-    cols = schema.TABLES.get(table)
+    """Whether every row of a shard table carries a time (a column in ns); a table this kvtrace does not
+    know is taken as timed. A run table by its own columns: batch_slot_runs, like batch_slots, has none."""
+    cols = schema.SHARD_TABLES.get(table)
     return cols is None or any(c.name.endswith("_ns") for c in cols)
 
 
@@ -366,8 +367,9 @@ def _load_shards(shards: list, loader: Gather, bar: Progress, rows: dict[str, in
                  issues: list[tuple[str, str, int]]) -> bool:
     """Read one process's shards into `loader`; counts rows, notes issues; True if any shard was cut."""
     cut = False
-    # batch_slots before kv_access: the access rows take their request id from it.
-    for shard in sorted(shards, key=lambda s: (s.table != "batch_slots", s.path.name)):
+    # batch_slots (and the runs that stand for its rows) before kv_access: the access rows take their
+    # request id from it.
+    for shard in sorted(shards, key=lambda s: (loads_into(s.table) != "batch_slots", s.path.name)):
         if not shard.open and not shard.path.exists():
             # Deleted since it was listed: a live session under --on-max-size drop-oldest (the
             # recorder counts its rows as lost). Shards created since listing are left for later.

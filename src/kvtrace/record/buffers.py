@@ -329,6 +329,55 @@ class BlockLog:
 
 
 # ---- step_requests rows of decoding requests, as decode runs -------------------------------------
+class SlotRuns:
+    """`batch_slots` rows held as runs (schema.RUN_TABLES `batch_slot_runs`): a run is the batch's request
+    ids in row order, unchanged over consecutive steps, kept once. A decode batch keeps its rows for many
+    steps, and a row per (step, slot) cost ~45 us a step for 256 requests on the engine's thread; here a
+    step that changes nothing costs a copy and a compare of the id list. `take()` hands the runs over as
+    columns, which ingest expands back into their rows (`kvtrace.format.shards.expand_batch_slot_runs`)."""
+
+    __slots__ = ("runs", "ids", "first", "last", "since_ns", "flush_ns")
+
+    def __init__(self, flush_ns: int | None = None) -> None:
+        self.flush_ns = FLUSH_NS if flush_ns is None else flush_ns
+        self.runs: list[tuple[int, int, list]] = []  # closed runs: (first step, steps, request ids)
+        self.ids: list | None = None  # the open run's ids, from step `first` to step `last`
+        self.first = self.last = -1
+        self.since_ns = _now()
+
+    def add(self, step: int, ids: Any) -> bool:
+        """The batch of `step` held request `ids[i]` in row i. True: time to take()."""
+        ids = list(ids)  # a copy: vLLM changes its list in place
+        if ids == self.ids and step == self.last + 1:
+            self.last = step
+        else:
+            if self.ids is not None:
+                self.runs.append((self.first, self.last - self.first + 1, self.ids))
+            self.ids, self.first, self.last = ids, step, step
+        return _now() - self.since_ns >= self.flush_ns
+
+    def take(self) -> dict | None:
+        """The runs since the last take, the open one closed, as `batch_slot_runs` columns; None if none."""
+        runs, self.runs = self.runs, []
+        if self.ids is not None:
+            runs.append((self.first, self.last - self.first + 1, self.ids))
+            self.ids = None
+        self.since_ns = _now()
+        runs = [r for r in runs if r[2]]  # a step with an empty batch has no rows
+        if not runs:
+            return None
+        n = len(runs)
+        lens = np.fromiter((len(r[2]) for r in runs), np.int64, n)
+        first = np.cumsum(lens) - lens  # each run's first row
+        return {
+            "step": np.repeat(np.fromiter((r[0] for r in runs), np.int64, n), lens),
+            "steps": np.repeat(np.fromiter((r[1] for r in runs), np.int32, n), lens),
+            "slot": (np.arange(int(lens.sum())) - np.repeat(first, lens)).astype(np.int32),
+            # a list: the recorder converts it to Arrow at its flush, on the writer's thread
+            "request_id": list(chain.from_iterable(r[2] for r in runs)),
+        }
+
+
 class DecodeLog:
     """`step_requests` rows of decoding requests (phase decode, chunk -1, kind running), handed over as
     `decode_runs`: one row per run of a request's consecutive decode steps (step s+1, the same tokens,

@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from itertools import chain
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -190,7 +191,7 @@ class Recorder:
             if isinstance(r, pa.RecordBatch):
                 out.extend(zip(*(col.to_pylist() for col in r.columns)))
             elif isinstance(r, PendingColumns):
-                out.extend(zip(*(col.tolist() for col in r.cols.values())))
+                out.extend(zip(*(col.tolist() if isinstance(col, np.ndarray) else col for col in r.cols.values())))
             else:
                 out.append(r)
         return out
@@ -454,16 +455,18 @@ class PendingColumns(NamedTuple):
     let go, and each time a background thread (the ring's drain) takes it back the engine's thread
     stops for two thread wake-ups (bench/bench_drain_gil.py)."""
 
-    cols: dict[str, np.ndarray]  # schema column order
+    cols: dict[str, np.ndarray | list]  # schema column order
     count: int
 
     @staticmethod
     def of(sch: pa.Schema, cols: Any) -> PendingColumns | None:
-        """`cols` held as they are when each of `sch`'s columns is a 1-D NumPy array of numbers, all of one
-        length; None otherwise (converted at once). A missing column raises KeyError now, as always."""
+        """`cols` held as they are when each of `sch`'s columns is a 1-D NumPy array of numbers, or a list
+        for a string column, all of one length; None otherwise (converted at once). A missing column
+        raises KeyError now, as always."""
         arrays = {name: cols[name] for name in sch.names}
-        lengths = {a.shape[0] if isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iufb" else -1
-                   for a in arrays.values()}
+        lengths = {a.shape[0] if isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iufb"
+                   else len(a) if isinstance(a, list) and pa.types.is_string(sch.field(name).type) else -1
+                   for name, a in arrays.items()}
         if len(lengths) != 1 or -1 in lengths:
             return None
         return PendingColumns(arrays, lengths.pop())
@@ -472,8 +475,12 @@ class PendingColumns(NamedTuple):
 def _converted(table: str, pending: list[PendingColumns]) -> pa.RecordBatch:
     """A run of held NumPy columns as one batch: each column joined, then converted once."""
     sch = schema.arrow_schema(table)
-    cols = {name: np.concatenate([p.cols[name] for p in pending]) if len(pending) > 1 else pending[0].cols[name]
-            for name in sch.names}
+    def joined(parts: list) -> Any:
+        if len(parts) == 1:
+            return parts[0]
+        return list(chain.from_iterable(parts)) if isinstance(parts[0], list) else np.concatenate(parts)
+
+    cols = {name: joined([p.cols[name] for p in pending]) for name in sch.names}
     return pa.RecordBatch.from_arrays([pa.array(cols[name], type=t, memory_pool=WRITE_POOL)
                                        for name, t in zip(sch.names, _types(table))], schema=sch)
 

@@ -14,8 +14,8 @@ def markdown() -> str:
     tables: appended by `python -m kvtrace.format.schema`."""
     out = ["", "# In the database", "",
            "Ingest loads each shard table above into a DuckDB table of the same name, with the process "
-           "columns first, except the two run tables: `decode_runs`, whose runs it expands into the "
-           "`step_requests` rows they stand for, and `kv_access_records`, whose packed records it decodes "
+           "columns first, except the three run tables: `decode_runs` and `batch_slot_runs`, whose runs it "
+           "expands into the `step_requests` and `batch_slots` rows they stand for, and `kv_access_records`, whose packed records it decodes "
            "into `kv_access` rows (and writes again for each layer its `layer_copies` names). Three differ:", "",
            "- `block_events` (and `offload_block_events`, alike) has one row per block: `block_ids` / `block_hashes` become `block_id` INTEGER "
            "and `block_hash` BIGINT (null where the call had no hashes). A trailing `seq` BIGINT numbers the "

@@ -116,7 +116,7 @@ DERIVED_MEANINGS = {
         "session": "session id", "pid": "OS process id", "rank": "DP rank x 1000 + TP rank",
         "role": "api, engine, worker or proc", "host": "host name",
         "status": "running, flushed, complete (closed its shards) or unknown (proc.json missing)",
-        "rows_written": "rows written per shard table (JSON; decode_runs counts runs, not the step_requests rows they expand into; kv_access_records counts ring drains, not the kv_access rows they hold)",
+        "rows_written": "rows written per shard table (JSON; decode_runs and batch_slot_runs count runs, not the step_requests and batch_slots rows they expand into; kv_access_records counts ring drains, not the kv_access rows they hold)",
         "dropped": "rows lost per table and cause (JSON: ring-wrap, drain-error, writer-error, buffer-cap, max-size, bad-row)",
         "stopped_reason": "why the process stopped writing (writer-error, max-size), or null"},
     "probes": {

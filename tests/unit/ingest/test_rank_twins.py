@@ -62,9 +62,30 @@ def counts(db: Path) -> dict:
         con.close()
 
 
-def test_each_rank_keeps_its_own_identical_batch_rows(session, tmp_path):
+def as_slot_runs(session: Path) -> None:
+    """The worker's batch_slots shards rewritten as the attention probe writes them: batch_slot_runs
+    (runs of one step each)."""
+    from kvtrace.format import schema
+
+    sch = schema.arrow_schema("batch_slot_runs")
+    for shard in worker_dir(session).glob("batch_slots.*.arrows"):
+        with pa.ipc.open_stream(pa.BufferReader(shard.read_bytes())) as reader:
+            batches = list(reader)
+        with pa.ipc.new_stream(str(shard.with_name(shard.name.replace("batch_slots", "batch_slot_runs"))), sch) as w:
+            for b in batches:
+                w.write_batch(pa.RecordBatch.from_arrays(
+                    [b.column("step"), pa.array([1] * b.num_rows, pa.int32()), b.column("slot"), b.column("request_id")],
+                    schema=sch))
+        shard.unlink()
+
+
+@pytest.mark.parametrize("runs", [False, True], ids=["rows", "runs"])
+def test_each_rank_keeps_its_own_identical_batch_rows(session, tmp_path, runs):
     s = tmp_path / "tp"
     shutil.copytree(session, s)
+    if runs:
+        as_slot_runs(s)
+        assert list(worker_dir(s).glob("batch_slot_runs.*.arrows"))
     add_rank(s, "worker-rank1", shift_times=True)
     ingest([s], tmp_path / "tp.duckdb")
     got = counts(tmp_path / "tp.duckdb")

@@ -6,7 +6,8 @@ Patch points (vLLM 0.26 to 0.32):
   (`vllm/v1/worker/gpu/model_runner.py`, the default on CUDA). It reads our step id from the
   SchedulerOutput (tagged by the scheduler probe), starts the ring's step, and after the forward pass
   writes which request sat in which batch row (`batch_slots`: V1's `input_batch`, V2's
-  `execute_model_state.input_batch`), so device records can name requests. A forward pass without a
+  `execute_model_state.input_batch`; held as runs of steps with the same batch, `batch_slot_runs`), so
+  device records can name requests. A forward pass without a
   step id (warm-up, dummy runs) is not recorded. `capture_model` makes the ring before CUDA graphs are
   captured: its kernels are captured with attention and read the step id from device memory.
 - the module-global `get_attention_context(layer_name)` in `model_executor/layers/attention/attention.py`
@@ -27,10 +28,10 @@ from __future__ import annotations
 
 import inspect
 import sys
-from itertools import count, repeat
 from typing import Any
 
 from kvtrace.probes.base import Probe, TargetMissing
+from kvtrace.record.buffers import SlotRuns
 
 ATTN = "vllm.model_executor.layers.attention.attention"
 MLA = "vllm.model_executor.layers.attention.mla_attention"
@@ -113,7 +114,7 @@ class AttentionProbe(Probe):
         self.ring = None
         self.step = -1
         self.untagged = 0  # forward passes run without a step id (warm-up, dummy runs): not recorded
-        self.slots = self.rec.buffer("batch_slots")
+        self.slots = SlotRuns()  # batch_slots rows, as runs of steps with the same batch
         self.layer_names: dict[str, int] = {}
         self.open_layer_range = False
         granularity = self.options.get("kv_granularity", "timing")
@@ -154,9 +155,10 @@ class AttentionProbe(Probe):
                         probe.nvtx_layer(None)
                 if probe.enabled and scheduler_output.total_num_scheduled_tokens:
                     try:
-                        # (step, row, request) tuples made by C iterators: a generator's frame per row
-                        # was ~0.1 ms a step at 256 requests (bench/profile_engine_thread.py)
-                        probe.slots.extend(zip(repeat(step), count(), req_ids(runner)))
+                        # a row per (step, slot) was ~45 us a step at 256 requests; a decode batch keeps
+                        # its rows for many steps, kept once as a run
+                        if probe.slots.add(step, req_ids(runner)):
+                            probe.take()
                     except Exception as exc:
                         probe.fail(exc)
                 return result
@@ -338,7 +340,16 @@ class AttentionProbe(Probe):
             ring.native_drain = bool(self.options["kv_native_drain"])
         return ring
 
+    def take(self) -> None:
+        """Hand the batch slot runs held so far to the recorder (also when the engine goes idle, and at
+        close)."""
+        slots = getattr(self, "slots", None)
+        cols = slots.take() if slots is not None else None
+        if cols is not None:
+            self.rec.append_columns("batch_slot_runs", cols)
+
     def close(self) -> None:
+        self.take()
         if self.ring is not None:
             self.ring.close()
         if getattr(self, "untagged", 0) and self.step < 0 and self.enabled:
