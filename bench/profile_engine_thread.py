@@ -124,7 +124,7 @@ def ab_report(variant: str, reps: list[dict]) -> str:
             f"repetition {window / max(1, len(on)):.3f} s in its window, {settle / max(1, len(on)):.3f} s after it")
 
 
-GIL_RATE_HZ = 200
+GIL_RATE_HZ = int(os.environ.get("KVTRACE_GIL_RATE_HZ", "200"))  # py-spy's samples a second (--py-spy)
 
 
 class GilSampler:
