@@ -198,6 +198,10 @@ class CudaKVAccessRing(KVAccessRing):
         # Python one otherwise, or when the owner sets `native_drain` False (benchmarks compare them).
         self._cu_fns = _driver_functions() if ring_module.native_drain is not None else None
         self.native_drain = self._cu_fns is not None
+        # NumPy views of the pinned memory the drain reads, made once: torch's indexing and NumPy's view
+        # of a structured dtype cost the drain thread tens of microseconds under the GIL each time
+        self._snap_np = self._snap_host.numpy()
+        self._tstage_recs = self._tstage.numpy().view(TIM_DTYPE)
         self._native_ptrs = (self._ring.data_ptr(), self._stage.data_ptr(), self._tring.data_ptr(),
                              self._tstage.data_ptr(), self._live_host.data_ptr(), self._copy_stream.cuda_stream,
                              self._copy_event.cuda_event)
@@ -451,11 +455,11 @@ class CudaKVAccessRing(KVAccessRing):
                     if native:
                         drained = self._drain_native(slot)
                         heads = drained[2]
-                        self._learn_rate(self._snap_host[slot].numpy(), heads)
+                        self._learn_rate(self._snap_np[slot], heads)
                         self._emit_native(drained)
                     else:
                         self._wait(done)
-                        snap = self._snap_host[slot].numpy()
+                        snap = self._snap_np[slot]
                         heads = int(snap[ST_SNAP_REC]), int(snap[ST_SNAP_TIM])
                         self._learn_rate(snap, heads)
                         t0 = time.perf_counter()
@@ -509,7 +513,7 @@ class CudaKVAccessRing(KVAccessRing):
             self._emit_window(np.frombuffer(kept, REC_DTYPE), self._tail, head, timing=False, owned=True)
             self._tail = head
         if tn:
-            recs = self._tstage.numpy().view(TIM_DTYPE)[:tn]
+            recs = self._tstage_recs[:tn]
             self._decode_window(recs, tlo, self._ttail, thead, self.log2tcap,
                                 max(tlo, live_thead - self.timing_capacity), True)
             self._ttail = thead
