@@ -315,9 +315,32 @@ def loads_into(table: str) -> str:
     return run[0] if run is not None else table
 
 
-# A run longer than this is not something kvtrace wrote (a DecodeLog hands its runs over at least every
-# second, record/buffers.py FLUSH_NS), and expanding it would take that many rows' memory: refused as a damaged shard.
+# A run longer than this is not something kvtrace wrote (DecodeLog and SlotRuns hand their runs over at
+# least every second, record/buffers.py FLUSH_NS), and expanding it would take that many rows' memory: refused as a damaged shard.
 MAX_RUN_STEPS = 1 << 24
+
+# Rows one batch of a run table may expand into (a flush's runs stand for a few million at most): bounds
+# what a damaged shard can make ingest allocate.
+MAX_EXPANDED_ROWS = 1 << 27
+
+
+def _run_positions(batch: pa.RecordBatch, where: object, table: str, noun: str,
+                   nullable: tuple[str, ...] = ()) -> tuple[np.ndarray, np.ndarray, int]:
+    """For each row a run table's batch stands for: the run it is in and its place in that run, and how
+    many rows in all; a batch kvtrace did not write (nulls outside `nullable`, a run of no steps or of
+    more than MAX_RUN_STEPS, more rows than MAX_EXPANDED_ROWS) is refused in one line."""
+    nulls = [f.name for f, c in zip(batch.schema, batch.columns) if c.null_count and f.name not in nullable]
+    if nulls:  # the logs write none: a null would expand into rows of made-up values
+        raise KvtraceError(f"{where}: {table} batch with nulls in {', '.join(nulls)}; not a shard kvtrace wrote")
+    steps = batch.column("steps").to_numpy(zero_copy_only=False).astype(np.int64)
+    if batch.num_rows and (steps.min() < 1 or steps.max() > MAX_RUN_STEPS):
+        raise KvtraceError(f"{where}: {noun} of {int(steps.min() if steps.min() < 1 else steps.max())} steps; "
+                           f"not a shard kvtrace wrote")
+    total = int(steps.sum())
+    if total > MAX_EXPANDED_ROWS:
+        raise KvtraceError(f"{where}: {table} standing for {total} rows in one batch; not a shard kvtrace wrote")
+    run = np.repeat(np.arange(batch.num_rows), steps)
+    return run, np.arange(total) - np.repeat(np.cumsum(steps) - steps, steps), total
 
 
 def expand_decode_runs(batch: pa.RecordBatch, where: object = "decode_runs") -> pa.RecordBatch:
@@ -325,17 +348,7 @@ def expand_decode_runs(batch: pa.RecordBatch, where: object = "decode_runs") -> 
     `step + i`, `tokens` tokens, computed_before `computed_before + i * tokens`, new_blocks `new_blocks`
     for i = 0 and 0 after, phase decode, chunk_index -1, kind running. Runs come out in their order, each
     run's rows in step order. `where` names the shard in the error a damaged batch gets."""
-    nulls = [f.name for f, c in zip(batch.schema, batch.columns) if c.null_count]
-    if nulls:  # the log writes none: a null would expand into rows of made-up values
-        raise KvtraceError(f"{where}: decode_runs batch with nulls in {', '.join(nulls)}; not a shard "
-                           f"kvtrace wrote")
-    steps = batch.column("steps").to_numpy(zero_copy_only=False).astype(np.int64)
-    if batch.num_rows and (steps.min() < 1 or steps.max() > MAX_RUN_STEPS):
-        raise KvtraceError(f"{where}: decode run of {int(steps.min() if steps.min() < 1 else steps.max())} "
-                           f"steps; not a shard kvtrace wrote")
-    total = int(steps.sum())
-    run = np.repeat(np.arange(batch.num_rows), steps)
-    i = np.arange(total) - np.repeat(np.cumsum(steps) - steps, steps)  # the row's place in its run
+    run, i, total = _run_positions(batch, where, "decode_runs", "decode run")
 
     def column(name: str) -> np.ndarray:
         return batch.column(name).to_numpy(zero_copy_only=False)[run]
@@ -363,30 +376,13 @@ def expand_batch_slot_runs(batch: pa.RecordBatch, where: object = "batch_slot_ru
     """The batch_slots rows a batch_slot_runs batch stands for (schema.RUN_TABLES): row i of a run is step
     `step + i` with the run's slot and request. Runs come out in their order, each run's rows in step
     order. `where` names the shard in the error a damaged batch gets."""
-    nulls = [f.name for f, c in zip(batch.schema, batch.columns) if c.null_count and f.name != "request_id"]
-    if nulls:  # a request id may be null (an empty row), as in batch_slots; nothing else may
-        raise KvtraceError(f"{where}: batch_slot_runs batch with nulls in {', '.join(nulls)}; not a shard "
-                           f"kvtrace wrote")
-    steps = batch.column("steps").to_numpy(zero_copy_only=False).astype(np.int64)
-    if batch.num_rows and (steps.min() < 1 or steps.max() > MAX_RUN_STEPS):
-        raise KvtraceError(f"{where}: batch slot run of {int(steps.min() if steps.min() < 1 else steps.max())} "
-                           f"steps; not a shard kvtrace wrote")
-    total = int(steps.sum())
-    if total > MAX_EXPANDED_ROWS:
-        raise KvtraceError(f"{where}: batch slot runs standing for {total} rows in one batch; not a shard "
-                           f"kvtrace wrote")
-    run = np.repeat(np.arange(batch.num_rows), steps)
-    i = np.arange(total) - np.repeat(np.cumsum(steps) - steps, steps)  # the row's place in its run
+    # a request id may be null (an empty row), as in batch_slots
+    run, i, _ = _run_positions(batch, where, "batch_slot_runs", "batch slot run", nullable=("request_id",))
     into = schema.arrow_schema("batch_slots")
     first = batch.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
     return pa.RecordBatch.from_arrays(
         [pa.array(first[run] + i, pa.int64()), pa.array(batch.column("slot").to_numpy(zero_copy_only=False)[run], pa.int32()),
          batch.column("request_id").take(pa.array(run))], schema=into)
-
-
-# Rows one batch of a run table may expand into (a flush's batch_slot_runs stand for a few million at
-# most): bounds what a damaged shard can make ingest allocate.
-MAX_EXPANDED_ROWS = 1 << 27
 
 
 EXPAND = {"decode_runs": expand_decode_runs, "batch_slot_runs": expand_batch_slot_runs,

@@ -82,5 +82,5 @@ def test_damaged_runs_are_refused_in_one_line(steps, step, words):
 def test_runs_standing_for_too_many_rows_are_refused():
     n = 1 << 4
     bad = as_batch({"step": [0] * n, "steps": [1 << 24] * n, "slot": list(range(n)), "request_id": ["a"] * n})
-    with pytest.raises(KvtraceError, match="standing for 268435456 rows"):
+    with pytest.raises(KvtraceError, match="batch_slot_runs standing for 268435456 rows"):
         expand_batch_slot_runs(bad)
