@@ -47,6 +47,7 @@ CASES = [
     ("manifest_is_directory", "ingest", "unreadable manifest"),
     ("shard_unknown_table", "ingest", "unknown table"),
     ("decode_runs_zero_steps", "ingest", "decode run of 0 steps"),
+    ("batch_slot_runs_zero_steps", "ingest", "batch slot run of 0 steps"),
     ("kv_records_wrong_size", "ingest", "holds 40 bytes for 2 records"),
     ("manifest_procs_not_a_list", "ingest", "field 'procs' is \"x\", not list"),
     ("manifest_options_job_pattern_number", "ingest", "field 'job_pattern' is 5, not str or null"),
@@ -192,6 +193,8 @@ def make_sessions() -> None:
            "new_blocks": [0]}
     write_shard(session("decode_runs_zero_steps", manifest()), "decode_runs",
                 [[tuple(run[f.name][0] for f in schema.arrow_schema("decode_runs"))]])
+    # Batch slot runs of no step, likewise (each stands for `steps` batch_slots rows).
+    write_shard(session("batch_slot_runs_zero_steps", manifest()), "batch_slot_runs", [[(3, 0, 0, "job0-turn0")]])
 
     # JSON fields of another type than kvtrace writes (hand-edited, or another tool's files), and job
     # patterns Python's re accepts but DuckDB's RE2, which applies them, does not.
