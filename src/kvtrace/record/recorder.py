@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from itertools import chain
+from itertools import chain, groupby
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -472,52 +472,42 @@ class PendingColumns(NamedTuple):
         return PendingColumns(arrays, lengths.pop())
 
 
+def _row_kind(row: Any) -> type:
+    """What a held row is, for `_batches`: held columns, a whole batch, or a row tuple."""
+    return PendingColumns if isinstance(row, PendingColumns) else pa.RecordBatch if isinstance(row, pa.RecordBatch) else tuple
+
+
 def _converted(table: str, pending: list[PendingColumns]) -> pa.RecordBatch:
     """A run of held NumPy columns as one batch: each column joined, then converted once."""
     sch = schema.arrow_schema(table)
-    def joined(parts: list) -> Any:
-        if len(parts) == 1:
-            return parts[0]
-        return list(chain.from_iterable(parts)) if isinstance(parts[0], list) else np.concatenate(parts)
-
-    cols = {name: joined([p.cols[name] for p in pending]) for name in sch.names}
+    cols = {name: _joined_column([p.cols[name] for p in pending]) for name in sch.names}
     return pa.RecordBatch.from_arrays([pa.array(cols[name], type=t, memory_pool=WRITE_POOL)
                                        for name, t in zip(sch.names, _types(table))], schema=sch)
 
 
+def _joined_column(parts: list) -> Any:
+    """One column's held parts as one: NumPy arrays concatenated, lists (of strings) chained."""
+    if len(parts) == 1:
+        return parts[0]
+    return list(chain.from_iterable(parts)) if isinstance(parts[0], list) else np.concatenate(parts)
+
+
 def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordBatch]:
-    """Row tuples and whole batches (from append_columns) as RecordBatches of at most `max_rows`, in order.
+    """Row tuples, whole batches and held columns (from append_columns) as RecordBatches of at most
+    `max_rows`, in order.
     Consecutive batches that fit in `max_rows` together are joined into one: the logs hand a table's rows
     over several times between two flushes, and each batch written costs an IPC message (its metadata
     per column) and a write() of its own."""
     if table == "kv_access_records":  # a drain's records a row; batches of them joined only once, here
         return packed_batches(rows, schema.arrow_schema(table))
     out: list[pa.RecordBatch] = []
-    run: list[tuple] = []
-    held: list[PendingColumns] = []
-    for row in rows:
-        if not isinstance(row, PendingColumns) and held:
-            out.append(_converted(table, held))
-            held = []
-        if isinstance(row, PendingColumns):
-            if run:
-                out.append(rows_to_batch(table, run))
-                run = []
-            held.append(row)
-        elif isinstance(row, pa.RecordBatch):
-            if run:
-                out.append(rows_to_batch(table, run))
-                run = []
-            out.extend(row.slice(i, max_rows) for i in range(0, row.num_rows, max_rows))
-        else:
-            run.append(row)
-            if len(run) >= max_rows:
-                out.append(rows_to_batch(table, run))
-                run = []
-    if run:
-        out.append(rows_to_batch(table, run))
-    if held:
-        out.append(_converted(table, held))
+    for kind, group in groupby(rows, key=_row_kind):  # consecutive rows of one kind, in order
+        group = list(group)
+        if kind is tuple:
+            out.extend(rows_to_batch(table, group[i:i + max_rows]) for i in range(0, len(group), max_rows))
+        else:  # held NumPy columns, converted together; whole batches as they are
+            batches = [_converted(table, group)] if kind is PendingColumns else group
+            out.extend(b.slice(i, max_rows) for b in batches for i in range(0, b.num_rows, max_rows))
     return _joined(out, max_rows) if len(out) > 1 else out
 
 
