@@ -94,6 +94,14 @@ static Py_ssize_t keep_intact_into(const char *src, Py_ssize_t n, uint64_t first
     return kept;
 }
 
+/* The intact records of src (as keep_intact_into) in memory of their own, malloc'd (NULL when out of
+   memory); *kept says how many. No GIL. */
+static char *kept_copy(const char *src, Py_ssize_t n, uint64_t first_pos, int log2cap, Py_ssize_t *kept) {
+    char *dst = malloc(n ? (size_t)n * REC_BYTES : 1);
+    *kept = dst != NULL ? keep_intact_into(src, n, first_pos, log2cap, dst) : 0;
+    return dst;
+}
+
 /* keep_intact(src, first_pos, log2cap) -> Records */
 static PyObject *keep_intact(PyObject *mod, PyObject *args) {
     Py_buffer src;
@@ -107,12 +115,10 @@ static PyObject *keep_intact(PyObject *mod, PyObject *args) {
                      "log2 capacity %d is out of range", src.len, REC_BYTES, log2cap);
         return NULL;
     }
-    Py_ssize_t n = src.len / REC_BYTES, kept = 0;
+    Py_ssize_t kept = 0;
     char *dst = NULL;
     Py_BEGIN_ALLOW_THREADS
-    dst = malloc(n ? (size_t)n * REC_BYTES : 1);
-    if (dst != NULL)
-        kept = keep_intact_into(src.buf, n, first_pos, log2cap, dst);
+    dst = kept_copy(src.buf, src.len / REC_BYTES, first_pos, log2cap, &kept);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src);
     if (dst == NULL)
@@ -208,25 +214,22 @@ static PyObject *drain_device(PyObject *mod, PyObject *args) {
                 rc = record((void *)(uintptr_t)copy_event, (void *)(uintptr_t)stream);
             if (rc == 0)
                 rc = sync((void *)(uintptr_t)copy_event);
-            if (rc)
+            if (rc) {
                 where = "waiting for the copy";
-        }
-        if (rc == 0 && (w[0].n || w[1].n)) {
-            const long long *lv = (const long long *)(uintptr_t)live_host;
-            live[0] = lv[live_word[0]];
-            live[1] = lv[live_word[1]];
+            } else {
+                const long long *lv = (const long long *)(uintptr_t)live_host;
+                live[0] = lv[live_word[0]];
+                live[1] = lv[live_word[1]];
+            }
         }
         if (rc == 0 && w[0].n) {
             long long min_valid = live[0] - w[0].cap > w[0].lo ? live[0] - w[0].cap : w[0].lo;
             long long skip = min_valid - w[0].lo < w[0].n ? min_valid - w[0].lo : w[0].n;
-            Py_ssize_t left = (Py_ssize_t)(w[0].n - skip);
-            kept = malloc(left ? (size_t)left * REC_BYTES : 1);
+            kept = kept_copy((const char *)(uintptr_t)w[0].stage + skip * REC_BYTES, (Py_ssize_t)(w[0].n - skip),
+                             (uint64_t)(w[0].lo + skip), log2cap, &nkept);
             if (kept == NULL) {
                 rc = -1;
                 where = "allocating memory for the records";
-            } else {
-                nkept = keep_intact_into((const char *)(uintptr_t)w[0].stage + skip * REC_BYTES, left,
-                                         (uint64_t)(w[0].lo + skip), log2cap, kept);
             }
         }
     }

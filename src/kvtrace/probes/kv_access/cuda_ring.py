@@ -196,7 +196,8 @@ class CudaKVAccessRing(KVAccessRing):
 
         # The drain in C where it is built and the driver's functions are found (`_drain_native`); the
         # Python one otherwise, or when the owner sets `native_drain` False (benchmarks compare them).
-        self._cu_fns = _driver_functions() if ring_module.native_drain is not None else None
+        self._native = ring_module.native_drain  # the module, as this ring was made (tests switch it)
+        self._cu_fns = _driver_functions() if self._native is not None else None
         self.native_drain = self._cu_fns is not None
         # NumPy views of the pinned memory the drain reads, made once: torch's indexing and NumPy's view
         # of a structured dtype cost the drain thread tens of microseconds under the GIL each time
@@ -450,7 +451,7 @@ class CudaKVAccessRing(KVAccessRing):
                 if snaps:
                     _, slot, done, _ = snaps[-1]
                     t0 = time.perf_counter()
-                    native = self.native_drain and self._cu_fns is not None and ring_module.native_drain is not None
+                    native = self.native_drain and self._cu_fns is not None  # (the owner may set it True)
                     self.stats["native_drain"] = native  # proc.json: which drain ran
                     if native:
                         drained = self._drain_native(slot)
@@ -495,7 +496,7 @@ class CudaKVAccessRing(KVAccessRing):
         """What `_wait` of the snapshot and `_drain_to` do, in one native call without the GIL (_drain.c):
         (error, where, heads, (lo, n, timing lo, timing n), live heads, kept block records)."""
         ring, stage, tring, tstage, live, stream, event = self._native_ptrs
-        drained = ring_module.native_drain.drain_device(
+        drained = self._native.drain_device(
             self._cu_fns, self._done_ev[slot], self._snap_host_ptr + slot * SNAP_WORDS * 8,
             (ST_SNAP_REC, ST_SNAP_TIM), (ST_REC_HEAD, ST_TIM_HEAD), (ring, stage, self._tail, self.capacity),
             (tring, tstage, self._ttail, self.timing_capacity), self._state_ptr, live, stream, event, self.log2cap)
