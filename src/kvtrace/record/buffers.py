@@ -24,6 +24,7 @@ every column, so a take from another thread (the recorder's flush on SIGUSR2) ne
 
 from __future__ import annotations
 
+import importlib
 import os
 import struct
 import sys
@@ -332,8 +333,9 @@ class BlockLog:
 class SlotRuns:
     """`batch_slots` rows held as runs (schema.RUN_TABLES `batch_slot_runs`): a run is the batch's request
     ids in row order, unchanged over consecutive steps, kept once. A decode batch keeps its rows for many
-    steps, and a row per (step, slot) cost ~45 us a step for 256 requests on the engine's thread; here a
-    step that changes nothing costs a copy and a compare of the id list. `take()` hands the runs over as
+    steps, and a row per (step, slot) cost 7.5-19 us a step for 256 requests on the engine's thread
+    (bench/bench_batch_slots.py); here a step that changes nothing costs a copy and a compare of the id
+    list. `take()` hands the runs over as
     columns, which ingest expands back into their rows (`kvtrace.format.shards.expand_batch_slot_runs`)."""
 
     __slots__ = ("runs", "ids", "first", "last", "since_ns", "flush_ns")
@@ -483,16 +485,19 @@ def _string(parts: tuple) -> tuple:
     return ("s", valid, offsets, data)
 
 
-try:
+def import_native(name: str) -> tuple[Any, str]:
+    """kvtrace's C extension `name` (its full module name) and ""; or None and why it is not there: not
+    built (no compiler at install time) or switched off (KVTRACE_NATIVE=0). The Python code serves then."""
     if os.environ.get("KVTRACE_NATIVE", "1") == "0":
-        raise ImportError("KVTRACE_NATIVE=0")
-    from kvtrace.record import _columns
-except ImportError as exc:  # no compiler at install time, or switched off: the Python classes serve
-    _columns = None
-    NATIVE_MISSING = f"{exc}"
-else:
-    NATIVE_MISSING = ""
+        return None, "KVTRACE_NATIVE=0"
+    try:
+        return importlib.import_module(name), ""
+    except ImportError as exc:
+        return None, f"{exc}"
 
+
+_columns, NATIVE_MISSING = import_native("kvtrace.record._columns")
+if _columns is not None:
     class NativeBlockLog(_columns.BlockLog):
         """`BlockLog` in C (`_columns.c`); `take()` makes a `block_events` RecordBatch from its buffers
         (indexable by column name, as the Python twin's dict of columns is)."""

@@ -90,8 +90,6 @@ head snapshots rely on it). Create the ring before any CUDA graph is captured (i
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 import time
 from collections.abc import Iterable
@@ -100,14 +98,10 @@ from typing import Any
 import numpy as np
 
 from kvtrace.format.kv_records import IDENTITY_CLOCK, REC_DTYPE, copy_layers, to_host_ns, unpack_records  # noqa: F401
+from kvtrace.record.buffers import import_native
 
-try:  # the drain's lap check and copy without the GIL (_drain.c); NumPy where it is not built or KVTRACE_NATIVE=0
-    if os.environ.get("KVTRACE_NATIVE", "1") == "0":
-        raise ImportError("KVTRACE_NATIVE=0")
-    # by its full name: the extension is a leaf module, not an import of this package's __init__
-    native_drain = importlib.import_module("kvtrace.probes.kv_access._drain")
-except ImportError:
-    native_drain = None
+# the drain's lap check and copy without the GIL (_drain.c); NumPy where it is not built or KVTRACE_NATIVE=0
+native_drain, _ = import_native("kvtrace.probes.kv_access._drain")
 
 OP_READ, OP_WRITE = 0, 1
 LAP_BITS = 15

@@ -155,8 +155,8 @@ class AttentionProbe(Probe):
                         probe.nvtx_layer(None)
                 if probe.enabled and scheduler_output.total_num_scheduled_tokens:
                     try:
-                        # a row per (step, slot) was ~45 us a step at 256 requests; a decode batch keeps
-                        # its rows for many steps, kept once as a run
+                        # a row per (step, slot) was 7.5-19 us a step at 256 requests (bench/
+                        # bench_batch_slots.py); a decode batch keeps its rows for many steps, kept once
                         if probe.slots.add(step, req_ids(runner)):
                             probe.take()
                     except Exception as exc:
