@@ -116,10 +116,14 @@ TIMES = """select (max(finish_ns) - min(queued_ns)) / 1e9, avg(first_token_ns - 
                   avg(finish_ns - queued_ns) / 1e9, count(finish_ns) from requests
            where list_contains(?::VARCHAR[], request_id)"""
 # --clock timed at the recording's own configuration: the later turns' makespan as a fraction of the real
-# run's (measured here: 1.0-6.9%; docs/replay.md). Mean TTFT and JCT are printed, not bounded: they are
-# tens and hundreds of milliseconds, and the real run they are compared with is one run on a shared
-# 2-core machine, whose stalls (steps the fit leaves out) have made them 36-58% slower than the replay.
-TIMED_ERROR = {"makespan": 0.15}
+# run's. Measured 1.0-6.9% on a quiet machine (docs/replay.md); 22.7% once in CI, whose shared 2-core
+# machine ran that real run at half the speed of the others, stalls the fit leaves out by design. The
+# bound is for a replay that is grossly off (a wrong unit, steps not paced); the mechanism itself is
+# checked exactly below (arrivals at step boundaries, each step paced to the fit). Mean TTFT and JCT are
+# printed, not bounded: tens and hundreds of milliseconds, 36-58% off after such stalls.
+TIMED_ERROR = {"makespan": 0.35}
+# Stamps of the same process's probes, compared across the replay's own clock start (ns).
+STAMP_SLACK_NS = 500_000
 # Each replayed step is waited out to the fit's prediction for its tokens: its duration over that
 # prediction, for most steps at least this (a 1-token prefill is paced as a decode, hence not 1.0)...
 PACED_AT_LEAST = 0.95
@@ -127,14 +131,17 @@ PACED_AT_LEAST = 0.95
 PACED_MEDIAN_AT_MOST = 1.5
 STEPS = """select t_end_ns - t_start_ns, prefill_tokens, scheduled_tokens - prefill_tokens from steps
            where t_end_ns is not null and scheduled_tokens > 0 order by step"""
+# Each request's queue time after its run's start (the first step or queued request, as the replay counts).
+QUEUED_AFTER_START = """select request_id, queued_ns - least((select min(t_start_ns) from steps),
+                                                       (select min(queued_ns) from requests)) from requests"""
 
 
 def test_a_timed_replay_keeps_the_recordings_times(recorded_run, tmp_path):
     """With --clock timed the replay runs in the recording's time: requests queued at their recorded
     times, each step as long as the recording's step-time fit says for its prefill and decode tokens
     (waited out where the forward pass would run). At the recording's own configuration the later
-    turns' makespan comes out within TIMED_ERROR of the real run's, and the replay's steps last what
-    the fit predicts."""
+    turns' makespan comes out within TIMED_ERROR of the real run's, every request is queued at the first
+    step boundary after its recorded time, and the replay's steps last what the fit predicts."""
     proc = run_kvtrace("replay", str(recorded_run["session"]), "-o", str(tmp_path / "timed"), "--clock", "timed")
     assert "(clock timed)" in proc.stdout, proc.stdout + proc.stderr
     db = tmp_path / "timed.duckdb"
@@ -145,6 +152,18 @@ def test_a_timed_replay_keeps_the_recordings_times(recorded_run, tmp_path):
     print(f"timed replay vs real run (later turns): real {real}, replayed {timed}, errors {errors}")
     assert timed[3] == real[3] == len(ids) > 0  # every one of them finished in both
     assert all(errors[k] <= TIMED_ERROR[k] for k in TIMED_ERROR), (real, timed, errors)
+    # Every request queued at the first step boundary after its recorded time: never before it, and
+    # no replayed step started between that time and when the request was queued.
+    recorded = dict(query(recorded_run["db"], QUEUED_AFTER_START))
+    replay_start = query(db, "select least((select min(t_start_ns) from steps), (select min(queued_ns) from requests))")[0][0]
+    starts = [t for t, in query(db, "select t_start_ns from steps")]
+    late = {}
+    for rid, queued in query(db, QUEUED_AFTER_START):
+        due = replay_start + recorded[rid]
+        late[rid] = queued - recorded[rid]
+        missed = [t for t in starts if due + STAMP_SLACK_NS < t < replay_start + queued - STAMP_SLACK_NS]
+        assert late[rid] >= -STAMP_SLACK_NS and not missed, (rid, late[rid], missed)
+    print(f"requests queued after their recorded time by at most {max(late.values()) / 1e6:.2f} ms")
     options = json.loads((tmp_path / "timed" / "manifest.json").read_text())["options"]
     assert options["replay_clock"] == "timed" and options["replay_step_time"]["steps"] > 3
     fit = options["replay_step_time"]
