@@ -72,8 +72,13 @@ def owned_copy(recs: np.ndarray) -> np.ndarray:
     return owned
 
 
-# Records per shard batch at most, beyond one drain's (a batch's records are copied into one buffer).
-BATCH_BYTES = 64 << 20
+# Bytes of records per shard batch at most, beyond one drain's (a batch's records are copied into one
+# buffer, and the batch into its IPC message). Kept under glibc's largest dynamic mmap threshold (32 MB),
+# so that those buffers are reused from the heap: one of 64 MB (a 1B model's 2 s of drains) was mapped,
+# faulted in page by page (16,600 faults a flush) and unmapped, twice a flush, the unmapping on the
+# writer's thread holding the GIL. A drain of a small model's 100 ms (~3.4 MB) is then a batch of its own,
+# its records written from the drain's copy without another.
+BATCH_BYTES = 4 << 20
 
 
 def packed_batches(rows: list[PackedRecords], sch: pa.Schema, max_bytes: int = BATCH_BYTES) -> list[pa.RecordBatch]:
