@@ -211,6 +211,10 @@ class CudaKVAccessRing(KVAccessRing):
         self._timer_arg = ctypes.c_uint64(self._timer.data_ptr())
         self._timer_params = (ctypes.c_void_p * 1)(ctypes.addressof(self._timer_arg))
         self._launches: dict[int, _Launch] = {}
+        # The last set of metadata tensors checked (a launch key but its emit flag) and the arguments
+        # they give every layer
+        self._checked_key: tuple | None = None
+        self._template: _RecordArgs | None = None
         self._snap_count = 0
         self._tail = self._ttail = 0
         self._anchors: list[tuple[int, int]] = []  # (device_ns, monotonic_ns)
@@ -310,8 +314,32 @@ class CudaKVAccessRing(KVAccessRing):
 
     def _prepare(self, layer_idx: int, emit: bool, key: tuple, slot_mapping, block_table, seq_lens,
                  query_start_loc) -> _Launch:
-        """Check the tensors once per layer and shape, and build the launch (never converts: a copy would
-        allocate on the hot path and break CUDA-graph buffer persistence)."""
+        """The layer's launch for these tensors (`key`: emit flag, then their pointers and shapes), its
+        argument struct refitted in place. The tensors are checked once per set, not per layer: in an
+        eager forward pass every layer of a KV-cache group gets the same metadata tensors, new each step,
+        and checking them (~30 of torch's attribute reads) cost more than the launch."""
+        if key[1:] != self._checked_key:
+            self._template = self._checked_args(slot_mapping, block_table, seq_lens, query_start_loc)
+            self._checked_key = key[1:]
+        T, R = key[2], key[9]
+        # Block 0 counts and writes the timing record; with emit, then the read blocks, then the write blocks.
+        read_blocks = min(-(-R // WARPS), MAX_GRID) if emit else 0
+        grid = 1 + read_blocks + (min(-(-T // THREADS), MAX_GRID) if emit else 0)
+        launch = self._launches.get(layer_idx)
+        if launch is None:
+            launch = self._launches[layer_idx] = _Launch(key, _RecordArgs(), grid)
+        # cuLaunchKernel copies the arguments at each launch and capture: the struct is reused
+        args = launch.args
+        ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self._template), ctypes.sizeof(_RecordArgs))
+        args.layer, args.emit, args.read_blocks = layer_idx, int(emit), read_blocks
+        # Count-only launches get no dynamic shared memory: less for the SM to set aside between kernels.
+        launch.key, launch.grid, launch.smem = key, grid, SMEM_QSL * 4 if emit else 0
+        return launch
+
+    def _checked_args(self, slot_mapping, block_table, seq_lens, query_start_loc) -> _RecordArgs:
+        """The launch arguments these tensors give every layer (its own layer and emit flag aside), once
+        they are checked (never converted: a copy would allocate on the hot path and break CUDA-graph
+        buffer persistence)."""
         torch = self._torch
         T, R = slot_mapping.shape[0], seq_lens.shape[0]
         tensors = {"slot_mapping": slot_mapping, "block_table": block_table, "seq_lens": seq_lens}
@@ -336,23 +364,15 @@ class CudaKVAccessRing(KVAccessRing):
             raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {R} requests")
         if max(T, R, block_table.shape[1]) >= 1 << 31:
             raise ValueError("metadata larger than 2^31 entries")
-        # Block 0 counts and writes the timing record; with emit, then the read blocks, then the write blocks.
-        read_blocks = min(-(-R // WARPS), MAX_GRID) if emit else 0
-        grid = 1 + read_blocks + (min(-(-T // THREADS), MAX_GRID) if emit else 0)
-        args = _RecordArgs(
+        return _RecordArgs(
             state=self._state.data_ptr(), ring=self._ring.data_ptr(), tring=self._tring.data_ptr(),
             slot_mapping=slot_mapping.data_ptr(), block_table=block_table.data_ptr(),
             seq_lens=seq_lens.data_ptr(), qsl=0 if query_start_loc is None else query_start_loc.data_ptr(),
             bt_stride=block_table.stride(0), num_tokens=T, num_reqs=R, max_blocks=block_table.shape[1],
-            block_size=self.block_size, layer=layer_idx, emit=int(emit),
-            sm_is_64=int(slot_mapping.dtype == torch.int64), read_blocks=read_blocks,
+            block_size=self.block_size, sm_is_64=int(slot_mapping.dtype == torch.int64),
             ring_mask=self.capacity - 1, ring_log2=self.log2cap,
             tring_mask=self.timing_capacity - 1, tring_log2=self.log2tcap,
         )
-        # Count-only launches get no dynamic shared memory: less for the SM to set aside between kernels.
-        launch = _Launch(key, args, grid, SMEM_QSL * 4 if emit else 0)
-        self._launches[layer_idx] = launch
-        return launch
 
     def drain(self, _ack: threading.Event | None = None) -> None:
         if self.closed or self._capturing():
