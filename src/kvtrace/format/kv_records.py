@@ -77,18 +77,22 @@ def owned_copy(recs: np.ndarray) -> np.ndarray:
 # so that those buffers are reused from the heap: one of 64 MB (a 1B model's 2 s of drains) was mapped,
 # faulted in page by page (16,600 faults a flush) and unmapped, twice a flush, the unmapping on the
 # writer's thread holding the GIL. A drain of a small model's 100 ms (~3.4 MB) is then a batch of its own,
-# its records written from the drain's copy without another.
+# its records written from the drain's copy without another; a larger one (all layers' block lists) is
+# written as several rows of at most this size, slices of the drain's copy.
 BATCH_BYTES = 4 << 20
 
 
-def packed_batches(rows: list[PackedRecords], sch: pa.Schema, max_bytes: int = BATCH_BYTES) -> list[pa.RecordBatch]:
-    """`kv_access_records` batches of these drains, one row each, in order: the drains of a flush joined
-    into as few batches as `max_bytes` of records allows. Built on the shard writer's thread once a flush:
+def packed_batches(rows: list[PackedRecords], sch: pa.Schema, max_bytes: int | None = None) -> list[pa.RecordBatch]:
+    """`kv_access_records` batches of these drains, in order: a row each (a drain of more than `max_bytes`
+    of records as rows of at most that, with its clock and copies), the drains of a flush joined into as
+    few batches as `max_bytes` allows. Built on the shard writer's thread once a flush:
     Arrow's constructors let go of the GIL (they validate without it), and each time a background thread
     takes it back the engine's thread stops for two thread wake-ups; a drain every 100 ms building its own
     row did that tens of times a second (bench/bench_drain_gil.py)."""
+    max_bytes = BATCH_BYTES if max_bytes is None else max_bytes
+    per_row = max(1, max_bytes // REC_DTYPE.itemsize)
     out, group, size = [], [], 0
-    for row in (*rows, None):
+    for row in (*(piece for r in rows for piece in _slices(r, per_row)), None):
         if row is None or (group and size + row.count * REC_DTYPE.itemsize > max_bytes):
             if group:
                 out.append(_packed_group(group, sch))
@@ -99,11 +103,27 @@ def packed_batches(rows: list[PackedRecords], sch: pa.Schema, max_bytes: int = B
     return out
 
 
+def _slices(row: PackedRecords, per_row: int):
+    """`row`, or its records in rows of at most `per_row` (views of its memory, no copy)."""
+    if row.count <= per_row:
+        yield row
+        return
+    data = _bytes_of(row)
+    size = REC_DTYPE.itemsize
+    for lo in range(0, row.count, per_row):
+        n = min(per_row, row.count - lo)
+        yield row._replace(data=data[lo * size:(lo + n) * size], count=n)
+
+
+def _bytes_of(row: PackedRecords) -> np.ndarray:
+    data = np.frombuffer(row.data, np.uint8)
+    if data.size != row.count * REC_DTYPE.itemsize:
+        raise ValueError(f"packed records: {data.size} bytes for {row.count} records")
+    return data
+
+
 def _packed_group(rows: list[PackedRecords], sch: pa.Schema) -> pa.RecordBatch:
-    parts = [np.frombuffer(r.data, np.uint8) for r in rows]
-    for r, part in zip(rows, parts):
-        if part.size != r.count * REC_DTYPE.itemsize:
-            raise ValueError(f"packed records: {part.size} bytes for {r.count} records")
+    parts = [_bytes_of(r) for r in rows]
     data = parts[0] if len(parts) == 1 else np.concatenate(parts)  # one copy, the GIL let go
     offsets = np.zeros(len(rows) + 1, np.int64)
     np.cumsum([p.size for p in parts], out=offsets[1:])

@@ -263,7 +263,8 @@ RUN_TABLES: dict[str, tuple[str, tuple[Column, ...]]] = {
         _c("slot", i32, "", "row of the request in the attention metadata"),
         _c("request_id", s, "", "vLLM request id"),
     )),
-    # kv_access rows as the KV access ring stores them: one row per drain, its records packed as they are
+    # kv_access rows as the KV access ring stores them: a row per drain (a large drain's in rows of at most
+    # 4 MB, kv_records.BATCH_BYTES), its records packed as they are
     # (32 bytes each, format/kv_records.py REC_DTYPE) with the clock mapping of that moment; ingest decodes
     # them (host_ns = clock_ref_host_ns + rint((ts - clock_ref_device_ns) * clock_slope)). Decoding ~10,000
     # records a step inside the engine's process cost the engine's thread GIL time.

@@ -56,19 +56,25 @@ def test_packed_records_expand_to_the_decoded_rows():
 
 
 def test_a_flush_joins_drains_into_batches_of_bounded_size():
-    """The writer makes a flush's drains into as few batches as the byte bound allows, one row a drain
-    in order, the same rows as one batch a drain; a drain larger than the bound is a batch of its own."""
+    """The writer makes a flush's drains into as few batches as the byte bound allows, in order; a drain
+    larger than the bound is written as rows of at most the bound (slices of its memory), each with the
+    drain's clock and copies. Ingest makes the same rows of them as of one batch a drain."""
     drains = [records(n, seed) for seed, n in enumerate((5, 40, 0, 300, 2, 9))]
+    drains[3]["meta"][::3] &= np.uint32(0xFFFF0000)  # a third of the large drain in layer 0, which layer 3 copies
     clocks = [(i * 1000, i * 7000, 1.0 + i * 1e-6) for i in range(len(drains))]
     rows = [PackedRecords(kv_records.owned_copy(d), c, (i, 0) if i else (), len(d))
             for i, (d, c) in enumerate(zip(drains, clocks))]
     bound = 100 * REC_DTYPE.itemsize
     batches = packed_batches(rows, SCHEMA, max_bytes=bound)
-    assert [b.num_rows for b in batches] == [3, 1, 2]  # 5 + 40 + 0 fit; 300 alone; 2 + 9
-    joined = pa.Table.from_batches(batches).to_pylist()
-    alone = pa.Table.from_batches([packed_batch(d, c, SCHEMA, r.copies) for d, c, r in zip(drains, clocks, rows)]).to_pylist()
-    assert joined == alone
-    assert [sum(b.column("records_count").to_pylist()) for b in batches] == [45, 300, 11]
+    assert [b.num_rows for b in batches] == [3, 1, 1, 1, 2]  # 5 + 40 + 0 fit; 300 as 3 x 100; 2 + 9
+    assert [b.column("records_count").to_pylist() for b in batches] == [[5, 40, 0], [100], [100], [100], [2, 9]]
+    assert {b.column("clock_slope")[0].as_py() for b in batches[1:4]} == {clocks[3][2]}
+    assert {tuple(b.column("layer_copies")[0].as_py()) for b in batches[1:4]} == {(3, 0)}
+    assert all(b.get_total_buffer_size() < 2 * bound for b in batches)
+    alone = [packed_batch(d, c, SCHEMA, r.copies) for d, c, r in zip(drains, clocks, rows)]
+    expanded = [sorted(pa.Table.from_batches([expand_kv_records(b) for b in bs]).to_pylist(), key=lambda r: tuple(r.values()))
+                for bs in (batches, alone)]  # (a slice's copies follow the slice)
+    assert expanded[0] == expanded[1] and len(expanded[0]) >= 356 + 100  # with layer 3's copies of layer 0
     rows[1] = rows[1]._replace(count=41)
     with pytest.raises(ValueError, match="bytes for 41 records"):
         packed_batches(rows, SCHEMA)
