@@ -23,7 +23,13 @@ from kvtrace.format import schema
 REC_DTYPE = np.dtype(
     [("step", "<i8"), ("ts", "<u8"), ("block_id", "<i4"), ("slot", "<i4"), ("meta", "<u4"), ("tok", "<u4")]
 )
-assert REC_DTYPE.itemsize == 32
+# One 32-byte layer timing record (a layer call's start and the records it produced); the same layout
+# ends in the same `meta` word (layer | lap << 17), so the drain's lap check serves both.
+TIM_DTYPE = np.dtype(
+    [("step", "<i8"), ("ts", "<u8"), ("reads", "<i4"), ("writes", "<i4"), ("meta", "<u4"), ("pad", "<u4")]
+)
+assert REC_DTYPE.itemsize == 32 and TIM_DTYPE.itemsize == 32
+assert REC_DTYPE.fields["meta"][1] == TIM_DTYPE.fields["meta"][1]
 
 # (device reference ns, host reference ns, host ns per device ns): the identity for host clocks.
 IDENTITY_CLOCK = (0, 0, 1.0)
@@ -51,6 +57,46 @@ def unpack_records(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]
         "token_offset": (tok & 0xFFFF).astype(np.int32),
         "token_count": (tok >> 16).astype(np.int32),
     }
+
+
+def unpack_timings(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]:
+    """TIM_DTYPE records -> layer_timings columns (ts already mapped to host ns)."""
+    return {
+        "step": recs["step"].astype(np.int64),
+        "layer": (recs["meta"] & 0xFFFF).astype(np.uint16).view(np.int16),
+        "ts_ns": ts_ns.astype(np.int64),
+        "reads": recs["reads"].astype(np.int32),
+        "writes": recs["writes"].astype(np.int32),
+    }
+
+
+class PackedTimings(NamedTuple):
+    """One drain's layer timing records as the recorder holds them until its next flush, which decodes a
+    flush's drains into `layer_timings` rows at once (`timing_columns`): a few records a layer and step,
+    each drain's decoding was a dozen NumPy calls on the drain's thread, each one a GIL hand-over."""
+
+    data: Any  # count * 32 bytes in memory of their own
+    clock: tuple[int, int, float]
+    count: int
+
+
+def timing_columns(rows: list[PackedTimings]) -> dict[str, np.ndarray]:
+    """`layer_timings` columns of these drains' records, in order: their timestamps mapped with each
+    drain's clock (consecutive drains mostly share one: mapped together)."""
+    recs, ts_ns = [], []
+    for clock, group in itertools.groupby(rows, key=lambda r: r.clock):
+        group = list(group)
+        parts = [np.frombuffer(r.data, TIM_DTYPE) for r in group]
+        for r, part in zip(group, parts):
+            if part.size != r.count:
+                raise ValueError(f"packed timings: {part.size} records for {r.count}")
+        joined = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        recs.append(joined)
+        ts_ns.append(to_host_ns(joined["ts"], clock))
+    if not recs:
+        return unpack_timings(np.zeros(0, TIM_DTYPE), np.zeros(0, np.int64))
+    return unpack_timings(recs[0] if len(recs) == 1 else np.concatenate(recs),
+                          ts_ns[0] if len(ts_ns) == 1 else np.concatenate(ts_ns))
 
 
 class PackedRecords(NamedTuple):

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.format import schema
-from kvtrace.format.kv_records import PackedRecords, owned_copy, packed_batches
+from kvtrace.format.kv_records import PackedRecords, PackedTimings, owned_copy, packed_batches, timing_columns
 from kvtrace.format.session import PROC_FILE, session_size_bytes, write_json_atomic
 from kvtrace.format.shards import WRITE_POOL, ShardWriter, batch_rows, rows_to_batch
 from kvtrace.record.buffers import row_log
@@ -223,6 +223,12 @@ class Recorder:
         until the flush makes them shard rows (`packed_batches`)."""
         self.buffers["kv_access_records"].append(
             PackedRecords(recs if owned else owned_copy(recs), clock, tuple(copies), len(recs)))
+
+    def append_timing_records(self, recs: Any, clock: tuple[int, int, float], owned: bool = False) -> None:
+        """A KV access ring's drained layer timing records (format/kv_records.py TIM_DTYPE), held as they
+        are until the flush decodes all of its drains' into `layer_timings` rows at once. `owned`: as for
+        `append_kv_records`."""
+        self.buffers["layer_timings"].append(PackedTimings(recs if owned else owned_copy(recs), clock, len(recs)))
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def add_clock_anchor(self, device_ns: int | None = None, source: str = "host") -> None:
@@ -446,7 +452,7 @@ def _row_count(table: str, rows: list) -> int:
     """Rows that `rows` (batches and tuples) stand for, as drops count them (shards.batch_rows): a
     drain's packed records as its records."""
     return sum(batch_rows(table, r) if isinstance(r, pa.RecordBatch)
-               else r.count if isinstance(r, (PackedRecords, PendingColumns)) else 1 for r in rows)
+               else r.count if isinstance(r, (PackedRecords, PackedTimings, PendingColumns)) else 1 for r in rows)
 
 
 class PendingColumns(NamedTuple):
@@ -473,14 +479,21 @@ class PendingColumns(NamedTuple):
 
 
 def _row_kind(row: Any) -> type:
-    """What a held row is, for `_batches`: held columns, a whole batch, or a row tuple."""
-    return PendingColumns if isinstance(row, PendingColumns) else pa.RecordBatch if isinstance(row, pa.RecordBatch) else tuple
+    """What a held row is, for `_batches`: held columns, held timing records, a whole batch, or a row tuple."""
+    for kind in (PendingColumns, PackedTimings, pa.RecordBatch):
+        if isinstance(row, kind):
+            return kind
+    return tuple
 
 
-def _converted(table: str, pending: list[PendingColumns]) -> pa.RecordBatch:
-    """A run of held NumPy columns as one batch: each column joined, then converted once."""
+def _converted(table: str, pending: list[PendingColumns] | list[PackedTimings]) -> pa.RecordBatch:
+    """A run of held NumPy columns (or timing records, decoded) as one batch: each column joined, then
+    converted once."""
     sch = schema.arrow_schema(table)
-    cols = {name: _joined_column([p.cols[name] for p in pending]) for name in sch.names}
+    if isinstance(pending[0], PackedTimings):
+        cols = timing_columns(pending)
+    else:
+        cols = {name: _joined_column([p.cols[name] for p in pending]) for name in sch.names}
     return pa.RecordBatch.from_arrays([pa.array(cols[name], type=t, memory_pool=WRITE_POOL)
                                        for name, t in zip(sch.names, _types(table))], schema=sch)
 
@@ -505,8 +518,8 @@ def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordB
         group = list(group)
         if kind is tuple:
             out.extend(rows_to_batch(table, group[i:i + max_rows]) for i in range(0, len(group), max_rows))
-        else:  # held NumPy columns, converted together; whole batches as they are
-            batches = [_converted(table, group)] if kind is PendingColumns else group
+        else:  # held NumPy columns or timing records, converted together; whole batches as they are
+            batches = group if kind is pa.RecordBatch else [_converted(table, group)]
             out.extend(b.slice(i, max_rows) for b in batches for i in range(0, b.num_rows, max_rows))
     return _joined(out, max_rows) if len(out) > 1 else out
 

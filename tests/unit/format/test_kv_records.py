@@ -136,3 +136,28 @@ def test_a_shard_of_schema_3_has_no_copies():
     old = pa.schema(list(SCHEMA)[:5])
     batch = packed_batch(records(5), IDENTITY_CLOCK, SCHEMA)
     assert expand_kv_records(pa.RecordBatch.from_arrays(batch.columns[:5], schema=old)).num_rows == 5
+
+
+def test_timing_records_of_a_flush_decode_together_each_with_its_drains_clock():
+    """The flush decodes its drains' timing records at once (layer_timings rows), each drain's timestamps
+    mapped with the clock fit it came with, exactly as decoding each drain alone does."""
+    rng = np.random.default_rng(5)
+    drains = []
+    for n in (4, 0, 7, 3):
+        recs = np.zeros(n, kv_records.TIM_DTYPE)
+        recs["step"] = rng.integers(0, 1 << 40, n)
+        recs["ts"] = rng.integers(10**12, 2 * 10**12, n).astype(np.uint64)
+        recs["reads"], recs["writes"] = rng.integers(0, 1000, n), rng.integers(0, 1000, n)
+        recs["meta"] = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+        drains.append(recs)
+    fit = (1_500_000_000_000, 9_000_000_000_000, 1.0000123)
+    clocks = [fit, fit, IDENTITY_CLOCK, fit]  # consecutive drains share a fit; the host clock between
+    rows = [kv_records.PackedTimings(kv_records.owned_copy(d), c, len(d)) for d, c in zip(drains, clocks)]
+    got = kv_records.timing_columns(rows)
+    alone = [kv_records.unpack_timings(d, kv_records.to_host_ns(d["ts"], c)) for d, c in zip(drains, clocks)]
+    for name in ("step", "layer", "ts_ns", "reads", "writes"):
+        assert got[name].tolist() == [x for cols in alone for x in cols[name].tolist()], name
+        assert got[name].dtype == alone[0][name].dtype
+    assert len(got["step"]) == 14 and kv_records.timing_columns([])["step"].size == 0
+    with pytest.raises(ValueError, match="7 records for 8"):
+        kv_records.timing_columns([rows[2]._replace(count=8)])

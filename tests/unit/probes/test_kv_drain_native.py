@@ -69,14 +69,18 @@ def test_rejects_what_is_not_whole_records():
 
 
 class PackedRecorder(MemoryRecorder):
-    """A MemoryRecorder that takes block records packed, as the shard writer does."""
+    """A MemoryRecorder that takes block and timing records as they are, as the shard writer does."""
 
     def __init__(self):
         super().__init__()
         self.packed = []
+        self.timings = []
 
     def append_kv_records(self, recs, clock, copies=(), owned=False):
         self.packed.append((np.array(recs), owned))
+
+    def append_timing_records(self, recs, clock, owned=False):
+        self.timings.append((np.array(recs), owned))
 
 
 def drain_packed(monkeypatch, path):
@@ -85,7 +89,7 @@ def drain_packed(monkeypatch, path):
     monkeypatch.setattr(ring_module, "native_drain", native if path == "native" else None)
     rng = random.Random(5)
     rec = PackedRecorder()
-    ring = CPUKVAccessRing(recorder=rec, capacity=64, granularity="blocks", auto_drain=False)
+    ring = CPUKVAccessRing(recorder=rec, capacity=64, timing_capacity=8, granularity="blocks", auto_drain=False)
     made = 0
     for step in range(3):
         ring.begin_step(step)
@@ -97,14 +101,19 @@ def drain_packed(monkeypatch, path):
     ring.close()
     kept = np.concatenate([r for r, _ in rec.packed])
     kept["ts"] = 0
-    return kept, [owned for _, owned in rec.packed], rec.dropped, made
+    timings = np.concatenate([r for r, _ in rec.timings])
+    timings["ts"] = 0
+    return (kept, timings), [owned for _, owned in rec.packed + rec.timings], rec.dropped, made
 
 
 @native_only
 def test_a_ring_drains_the_same_records_and_drops_either_way(monkeypatch):
-    kept, owned, dropped, made = drain_packed(monkeypatch, "native")
-    ref, ref_owned, ref_dropped, ref_made = drain_packed(monkeypatch, "numpy")
+    (kept, timings), owned, dropped, made = drain_packed(monkeypatch, "native")
+    (ref, ref_timings), ref_owned, ref_dropped, ref_made = drain_packed(monkeypatch, "numpy")
     assert made == ref_made and dropped == ref_dropped and dropped["kv_access"]["ring-wrap"] > 0
     assert kept.size + dropped["kv_access"]["ring-wrap"] == made
     assert kept.tobytes() == ref.tobytes()
+    # the timing records (a ring of 8 for 12 layer calls a step): the same kept and dropped either way
+    assert timings.dtype == ring_module.TIM_DTYPE and timings.tobytes() == ref_timings.tobytes()
+    assert timings.size == 3 * 8 and dropped["layer_timings"]["ring-wrap"] == 3 * (12 - 8)
     assert set(owned) == {True} and set(ref_owned) == {False}  # the native path's copy is the recorder's

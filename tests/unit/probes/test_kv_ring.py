@@ -236,9 +236,10 @@ def test_timestamps_are_host_monotonic():
 
 
 def test_rows_fit_the_schema(tmp_path):
-    """Rows go through the real recorder into Arrow shards with kvtrace.format.schema types: timing rows
-    as columns, block records packed (kv_access_records), which ingest's expansion turns into exactly
-    the rows the ring decodes for a recorder that keeps rows in memory."""
+    """Rows go through the real recorder into Arrow shards with kvtrace.format.schema types: block
+    records packed (kv_access_records), which ingest's expansion turns into exactly the rows the ring
+    decodes for a recorder that keeps rows in memory, and timing records as they are, which the flush
+    decodes into exactly those rows too."""
     from kvtrace.format import schema
     from kvtrace.format.shards import loaded_batch
     from kvtrace.record.recorder import Recorder, _batches
@@ -246,22 +247,29 @@ def test_rows_fit_the_schema(tmp_path):
     meta = make_metadata(random.Random(11))
     memory = MemoryRecorder()
     ring = CPUKVAccessRing(capacity=1 << 14, granularity="blocks", recorder=memory)
-    ring.begin_step(0)
-    ring.record_layer(0, *meta)
+    for step in range(3):  # a drain a step
+        ring.begin_step(step)
+        for layer in range(4):
+            ring.record_layer(layer, *meta)
+        ring.drain()
     ring.close()
     rec = Recorder(tmp_path, "worker", {"flush_interval_s": 3600})
     try:
         t0 = time.monotonic_ns()
         ring = CPUKVAccessRing(capacity=1 << 14, granularity="blocks", recorder=rec)
-        ring.begin_step(0)
-        ring.record_layer(0, *meta)
+        for step in range(3):
+            ring.begin_step(step)
+            for layer in range(4):
+                ring.record_layer(layer, *meta)
+            ring.drain()
         ring.close()
         t1 = time.monotonic_ns()
         assert rec._take("kv_access") == []  # block records go packed
         for table in ("kv_access_records", "layer_timings"):
             # row tuples, whole RecordBatches (append_columns, a RowLog's) or a drain's packed records,
             # as the writer makes them into shard batches
-            rows = _batches(table, rec._take(table))
+            held = rec._take(table)
+            rows = _batches(table, held)
             assert rows and all(b.schema.equals(schema.arrow_schema(table)) for b in rows)
             if table == "kv_access_records":
                 expanded = [loaded_batch(table, b).to_pylist() for b in rows]
@@ -270,6 +278,13 @@ def test_rows_fit_the_schema(tmp_path):
                 names = [n for n in kv_ring.KV_COLUMNS if n != "ts_ns"]
                 want = [tuple(r[kv_ring.KV_COLUMNS.index(n)] for n in names) for r in kv_rows(memory)]
                 assert [tuple(r[n] for n in names) for r in got] == want and want
+            else:  # three drains' timing records, held as they are and decoded together at the flush
+                assert [type(h).__name__ for h in held] == ["PackedTimings"] * 3
+                got = [r for b in rows for r in b.to_pylist()]
+                assert all(t0 <= r["ts_ns"] <= t1 for r in got)
+                assert [(r["step"], r["layer"], r["reads"], r["writes"]) for r in got] == \
+                    [(r[0], r[1], r[3], r[4]) for r in memory.buffers["layer_timings"]]
+                assert len(got) == 12
     finally:
         rec.close()
 

@@ -97,7 +97,15 @@ from typing import Any
 
 import numpy as np
 
-from kvtrace.format.kv_records import IDENTITY_CLOCK, REC_DTYPE, copy_layers, to_host_ns, unpack_records  # noqa: F401
+from kvtrace.format.kv_records import (  # noqa: F401  (REC_DTYPE, TIM_DTYPE: the ring's record layouts)
+    IDENTITY_CLOCK,
+    REC_DTYPE,
+    TIM_DTYPE,
+    copy_layers,
+    to_host_ns,
+    unpack_records,
+    unpack_timings,
+)
 from kvtrace.record.buffers import import_native
 
 # the drain's lap check and copy without the GIL (_drain.c); NumPy where it is not built or KVTRACE_NATIVE=0
@@ -106,12 +114,6 @@ native_drain, _ = import_native("kvtrace.probes.kv_access._drain")
 OP_READ, OP_WRITE = 0, 1
 LAP_BITS = 15
 LAP_MASK = (1 << LAP_BITS) - 1
-
-# One 32-byte timing record.
-TIM_DTYPE = np.dtype(
-    [("step", "<i8"), ("ts", "<u8"), ("reads", "<i4"), ("writes", "<i4"), ("meta", "<u4"), ("pad", "<u4")]
-)
-assert REC_DTYPE.itemsize == 32 and TIM_DTYPE.itemsize == 32
 
 KV_COLUMNS = ("step", "layer", "ts_ns", "op", "slot", "block_id", "token_offset", "token_count")
 TIMING_COLUMNS = ("step", "layer", "ts_ns", "reads", "writes")
@@ -231,16 +233,6 @@ def lap_ok(recs: np.ndarray, first_pos: int, log2cap: int) -> np.ndarray:
     return out
 
 
-def unpack_timings(recs: np.ndarray, ts_ns: np.ndarray) -> dict[str, np.ndarray]:
-    return {
-        "step": recs["step"].astype(np.int64),
-        "layer": (recs["meta"] & 0xFFFF).astype(np.uint16).view(np.int16),
-        "ts_ns": ts_ns.astype(np.int64),
-        "reads": recs["reads"].astype(np.int32),
-        "writes": recs["writes"].astype(np.int32),
-    }
-
-
 def parse_layers(spec: str | Iterable[int] | None, granularity: str) -> str | frozenset[int]:
     if spec is None:
         return AUTO if granularity == "timing" else ALL
@@ -299,9 +291,10 @@ class KVAccessRing:
                 recorder = NullRecorder()
         self.recorder = recorder
         self._append_columns = self.recorder.append_columns
-        # A recorder that writes shards takes block records packed (kv_access_records); one that keeps
-        # rows in memory gets them decoded.
+        # A recorder that writes shards takes block records packed (kv_access_records) and timing records
+        # as they are (decoded at its flush); one that keeps rows in memory gets them decoded.
         self._append_records = getattr(self.recorder, "append_kv_records", None)
+        self._append_timings = getattr(self.recorder, "append_timing_records", None)
         # Cumulative; drain_s = host seconds spent copying out and decoding (the background thread's CPU).
         self.stats = {"kv_rows": 0, "timing_rows": 0, "kv_dropped": 0, "timing_dropped": 0, "drain_s": 0.0}
         self.step = -1
@@ -389,9 +382,10 @@ class KVAccessRing:
         """
         skip = max(0, min_valid - first_pos)
         recs = recs[skip:]
-        if native_drain is not None and not timing and self._append_records is not None and recs.flags.c_contiguous:
-            # kept in memory of their own by one native call without the GIL (_drain.c)
-            kept = np.frombuffer(native_drain.keep_intact(recs, first_pos + skip, log2cap), REC_DTYPE)
+        packed = self._append_timings if timing else self._append_records
+        if native_drain is not None and packed is not None and recs.flags.c_contiguous:
+            # kept in memory of their own by one native call (_drain.c)
+            kept = np.frombuffer(native_drain.keep_intact(recs, first_pos + skip, log2cap), recs.dtype)
             return self._emit_window(kept, tail, head, timing, owned=True)
         ok = lap_ok(recs, first_pos + skip, log2cap)
         self._emit_window(recs if ok.all() else recs[ok], tail, head, timing)
@@ -404,6 +398,8 @@ class KVAccessRing:
         if good.size and not timing and self._append_records is not None:
             # packed as they are; ingest decodes them
             self._append_records(good, self._clock(), self._copies, owned)
+        elif good.size and timing and self._append_timings is not None:
+            self._append_timings(good, self._clock(), owned)  # decoded at the recorder's flush
         elif good.size:
             ts = self._to_host_ns(good["ts"])
             self._emit(table, unpack_timings(good, ts) if timing else copy_layers(unpack_records(good, ts), self._copies))
