@@ -71,3 +71,24 @@ def test_mla_reads_and_writes_match_scheduler_blocks(mla_run):
         con.close()
     vllm = mla_run["metrics"]["vllm"]
     assert requests == 18 and preemptions == vllm["num_preemptions"] > 0
+
+
+def test_a_fault_in_the_attention_probe_switches_off_that_probe_only(tiny_model, tmp_path):
+    """The attention probe raising inside vLLM's forward pass (`inject_fault`) is switched off for the
+    rest of the run, said in its status: the engine finishes every request and the host probes record
+    as ever, no KV access rows beyond what was recorded before the fault."""
+    run = record_workload(tmp_path, "fault", tiny_model, ["--num-blocks", "40"],
+                          ["--options-json", json.dumps({"inject_fault": "attention"})])
+    con = duckdb.connect(str(run["db"]), read_only=True)
+    try:
+        (status, reason), = con.execute("select status, reason from probes where probe = 'attention' "
+                                        "and role = 'worker'").fetchall()
+        assert status == "failed" and reason.startswith("RuntimeError: injected fault in probe attention"), reason
+        (accesses,), = con.execute("select count(*) from kv_access").fetchall()
+        (requests, steps), = con.execute("select (select count(finish_ns) from requests), "
+                                         "(select count(*) from steps)").fetchall()
+        (session_status,), = con.execute("select status from sessions").fetchall()
+    finally:
+        con.close()
+    assert accesses == 0 and requests == 18 and steps > 100
+    assert session_status != "complete"  # a failed probe is never a complete recording

@@ -117,6 +117,9 @@ class AttentionProbe(Probe):
         self.slots = SlotRuns()  # batch_slots rows, as runs of steps with the same batch
         self.layer_names: dict[str, int] = {}
         self.open_layer_range = False
+        # Read once: the layer wrapper runs for every layer of an eager forward pass
+        self.inject = self.options.get("inject_fault") == self.name
+        self.nvtx_layers = _nvtx is not None and bool(self.options.get("nvtx_layers"))
         granularity = self.options.get("kv_granularity", "timing")
         layers = self.options.get("kv_layers") or ("all" if granularity == "blocks" else "auto")
         sample_every = int(self.options.get("kv_sample_every", 1) or 1)
@@ -152,7 +155,8 @@ class AttentionProbe(Probe):
                     try:
                         result = orig(runner, scheduler_output, *args, **kwargs)
                     finally:
-                        probe.nvtx_layer(None)
+                        if probe.nvtx_layers:
+                            probe.nvtx_layer(None)
                 if probe.enabled and scheduler_output.total_num_scheduled_tokens:
                     try:
                         # a row per (step, slot) was 7.5-19 us a step at 256 requests (bench/
@@ -175,9 +179,11 @@ class AttentionProbe(Probe):
                     meta = result[0]
                     if meta is not None:
                         try:
-                            probe.maybe_inject_fault()
+                            if probe.inject:
+                                probe.maybe_inject_fault()
                             layer = layer_index(layer_name, probe.layer_names)
-                            probe.nvtx_layer(layer)
+                            if probe.nvtx_layers:
+                                probe.nvtx_layer(layer)
                             # The layer's own slot mapping where vLLM gives one (the fourth value),
                             # else the metadata's.
                             slots = result[3] if len(result) > 3 and result[3] is not None else meta.slot_mapping
@@ -282,7 +288,7 @@ class AttentionProbe(Probe):
     def nvtx_layer(self, layer: int | None) -> None:
         """Per-layer ranges (--nvtx-layers): `kvtrace layer N` runs from layer N's attention read to the
         next layer's, so it covers the attention and what follows it; the last closes with the pass."""
-        if _nvtx is None or not self.options.get("nvtx_layers"):
+        if not self.nvtx_layers:
             return
         try:
             if self.open_layer_range:
