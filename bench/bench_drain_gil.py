@@ -6,8 +6,8 @@ On the GPU the ring's drain thread and the recorder's writer thread spend ~0.3 a
 step for a 1B-class model at the default granularity (bench/profile_engine_thread.py --threads). What
 matters to the engine is the part of it that holds the GIL. Here a pure-Python loop stands in for the
 engine's thread (it needs the GIL all the time: every moment it is off the CPU it is waiting for it),
-while a background thread drains `--records` packed records every 100 ms into a real recorder and
-flushes them to real shards every 2 s, as the ring's drain thread and the writer do. Printed,
+while a background thread drains `--records` packed records every 100 ms into a real recorder, whose
+own writer thread flushes them to real shards every 2 s, as the ring's drain thread and the writer do. Printed,
 alternating in one process: the loop thread's share of wall time spent waiting, with no drain, with the
 drain as kvtrace does it (the lap check and copy in one native call without the GIL, `_drain.c`; the
 shard rows built at the flush), and with its NumPy fallback (each NumPy operation on the records lets go
@@ -37,29 +37,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kv_drain import device_records  # noqa: E402
 
 DRAIN_EVERY_S = 0.1  # the device ring's drain interval
-FLUSH_EVERY = 20     # drains between two flushes: the recorder's writer flushes every 2 s
+FLUSH_EVERY_S = 2.0  # the recorder's writer thread flushes every 2 s
 
 
 def waited_share(n: int, seconds: float, drain: bool) -> tuple[float, float]:
-    """(share of wall time the loop thread was off the CPU, background thread's CPU share)."""
+    """(share of wall time the loop thread was off the CPU, the drain and writer threads' CPU share)."""
     with tempfile.TemporaryDirectory() as tmp:
-        rec = Recorder(tmp, "worker", {"flush_interval_s": 1e9})
+        rec = Recorder(tmp, "worker", {"flush_interval_s": FLUSH_EVERY_S})
         ring = KVAccessRing(recorder=rec, capacity=1 << 30)
         recs = device_records(n, ring.log2cap)
         ring._decode_window(recs, 0, 0, n, ring.log2cap, 0, False)  # warm: imports, first shard
         rec.flush()
         stop = threading.Event()
         busy = [0.0]
+        writer0 = rec.writer_cpu_s  # the writer thread's own clock, read after each of its flushes
 
         def background() -> None:
-            drains = 0
             while not stop.is_set():
                 c = time.thread_time()
                 if drain:
                     ring._decode_window(recs, 0, 0, n, ring.log2cap, 0, False)
-                    drains += 1
-                    if drains % FLUSH_EVERY == 0:  # the writer's flush, every 2 s
-                        rec.flush()
                 busy[0] += time.thread_time() - c
                 stop.wait(DRAIN_EVERY_S)
 
@@ -72,8 +69,9 @@ def waited_share(n: int, seconds: float, drain: bool) -> tuple[float, float]:
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         stop.set()
         thread.join()
+        writer = rec.writer_cpu_s - writer0  # its flushes in the window (the last one may end just after)
         rec.close()
-    return 1.0 - cpu / wall, busy[0] / wall
+    return 1.0 - cpu / wall, (busy[0] + writer) / wall
 
 
 def main() -> None:
