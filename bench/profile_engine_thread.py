@@ -155,9 +155,16 @@ class GilSampler:
             self.proc.wait(timeout=60)
 
 
-def gil_summary(raw: Path, seconds: float) -> str:
+def gil_summary(raw: Path, seconds: float, call_lines: dict[str, list[int]] | None = None) -> str:
     """Shares of the window's GIL by holder: kvtrace's two threads, the engine thread (in kvtrace's code or
-    not), vLLM's other threads, and nobody (every thread off the GIL)."""
+    not), vLLM's other threads, and nobody (every thread off the GIL).
+
+    `call_lines`: each kvtrace wrapper's lines that call vLLM's original (kvtrace.probes.base
+    WRAPPER_CALL_LINES, from the recorded process). A sample there is the original's frame being torn
+    down after it returned, its locals freed (py-spy shows the caller's line once the callee's frame is
+    gone: measured with a wrapper around a function that frees 300 objects, a quarter of the samples):
+    vLLM's time, which a plain run spends too."""
+    call_lines = call_lines or {}
     by: dict[str, int] = {}
     for line in raw.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
@@ -172,7 +179,11 @@ def gil_summary(raw: Path, seconds: float) -> str:
             # most of the thread's stacks, around vLLM's code
             leaf = frames.rpartition(";")[2]
             ours = f"{os.sep}kvtrace{os.sep}" in leaf or "kvtrace wrapper" in leaf
-            key = "engine thread, in kvtrace code" if ours else "engine thread, other"
+            where, _, at = leaf.rpartition(" (")[2].rstrip(")").rpartition(":")
+            if ours and at.isdigit() and int(at) in call_lines.get(where, ()):
+                key = "engine thread, vLLM's call returning through a kvtrace wrapper"
+            else:
+                key = "engine thread, in kvtrace code" if ours else "engine thread, other"
         else:
             key = "other threads"
         by[key] = by.get(key, 0) + int(n)
@@ -188,6 +199,10 @@ def worker(args) -> None:
     if args.ab:
         return ab_worker(args, llm, params, prompts)
     sampler = GilSampler(args.py_spy, args.result + ".gil") if args.threads else None
+    if sampler is not None and sampler.proc is not None:
+        from kvtrace.probes.base import WRAPPER_CALL_LINES  # the probes are installed by now (engine built)
+
+        Path(args.result + ".calls.json").write_text(json.dumps(WRAPPER_CALL_LINES))
     batches = [prompts(rep) for rep in range(args.reps)]
     prof = None if args.threads else cProfile.Profile()
     steps0, t0 = bgt.engine_steps(llm), time.perf_counter()
@@ -281,9 +296,10 @@ def main() -> None:
                 continue
             if args.threads:
                 r = json.loads(result.read_text())
-                gil = Path(str(result) + ".gil")
-                print(thread_row(v, r), *([gil_summary(gil, r["wall_s"])] if gil.exists() else []), *said[-1:],
-                      sep="\n", flush=True)
+                gil, calls = Path(str(result) + ".gil"), Path(str(result) + ".calls.json")
+                call_lines = json.loads(calls.read_text()) if calls.exists() else None
+                print(thread_row(v, r), *([gil_summary(gil, r["wall_s"], call_lines)] if gil.exists() else []),
+                      *said[-1:], sep="\n", flush=True)
                 shutil.rmtree(session, ignore_errors=True)
                 continue
             print(f"== {args.shape} {v}\n" + result.read_text().split("all functions by self time:")[0]

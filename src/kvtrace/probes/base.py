@@ -232,6 +232,12 @@ class Probe:
 
 
 # ---- wrappers that keep vLLM's calls fast -----------------------------------------------------------
+# Each wrapper's file name (`<kvtrace wrapper of QUALNAME>`) -> the lines that call the original. A sampling
+# profiler puts there the time the original's frame takes to be torn down (its locals freed) after it
+# returns: vLLM's time, not the wrapper's (bench/profile_engine_thread.py tells them apart).
+WRAPPER_CALL_LINES: dict[str, list[int]] = {}
+
+
 def exact_wrapper(orig: Any, body: str, env: dict) -> Any:
     """A wrapper of `orig` with orig's own parameter list instead of `*args, **kwargs`.
 
@@ -275,7 +281,9 @@ def exact_wrapper(orig: Any, body: str, env: dict) -> Any:
     first = next(iter(sig.parameters), "self")
     src = f"def wrapper({', '.join(params)}):" + body.replace("{call}", f"__orig({', '.join(call)})").replace(
         "{self}", first)
-    exec(compile(src, f"<kvtrace wrapper of {getattr(orig, '__qualname__', orig)}>", "exec"), ns)
+    filename = f"<kvtrace wrapper of {getattr(orig, '__qualname__', orig)}>"
+    WRAPPER_CALL_LINES[filename] = [i for i, line in enumerate(src.splitlines(), 1) if "__orig(" in line]
+    exec(compile(src, filename, "exec"), ns)
     wrapper = ns["wrapper"]
     wrapper.__name__ = getattr(orig, "__name__", "wrapper")
     wrapper.__qualname__ = getattr(orig, "__qualname__", wrapper.__name__)
