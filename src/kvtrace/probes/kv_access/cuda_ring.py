@@ -321,16 +321,16 @@ class CudaKVAccessRing(KVAccessRing):
         if key[1:] != self._checked_key:
             self._template = self._checked_args(slot_mapping, block_table, seq_lens, query_start_loc)
             self._checked_key = key[1:]
-        T, R = key[2], key[9]
+        template = self._template
         # Block 0 counts and writes the timing record; with emit, then the read blocks, then the write blocks.
-        read_blocks = min(-(-R // WARPS), MAX_GRID) if emit else 0
-        grid = 1 + read_blocks + (min(-(-T // THREADS), MAX_GRID) if emit else 0)
+        read_blocks = min(-(-template.num_reqs // WARPS), MAX_GRID) if emit else 0
+        grid = 1 + read_blocks + (min(-(-template.num_tokens // THREADS), MAX_GRID) if emit else 0)
         launch = self._launches.get(layer_idx)
         if launch is None:
             launch = self._launches[layer_idx] = _Launch(key, _RecordArgs(), grid)
         # cuLaunchKernel copies the arguments at each launch and capture: the struct is reused
         args = launch.args
-        ctypes.memmove(ctypes.addressof(args), ctypes.addressof(self._template), ctypes.sizeof(_RecordArgs))
+        ctypes.memmove(ctypes.addressof(args), ctypes.addressof(template), ctypes.sizeof(_RecordArgs))
         args.layer, args.emit, args.read_blocks = layer_idx, int(emit), read_blocks
         # Count-only launches get no dynamic shared memory: less for the SM to set aside between kernels.
         launch.key, launch.grid, launch.smem = key, grid, SMEM_QSL * 4 if emit else 0
