@@ -42,6 +42,7 @@ import json
 import os
 import pstats
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,72 @@ def ab_worker(args, llm, params, prompts) -> None:
                          "settle_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu1})
     ring.sample_every = 1
     Path(args.result).write_text(json.dumps(reps))
+
+
+def ab_blocks_worker(args, llm, params, prompts) -> None:
+    """Engine steps in blocks of `--ab-blocks`, the ring recording in one block of each pair and paused in
+    the other (the order alternating between pairs), over `--reps` repetitions of the workload; every
+    engine step's wall time, with its block. The machine's drift over seconds, which repetitions cannot
+    escape, is the same for the two blocks of a pair, ~0.1-0.3 s apart."""
+    ring = kv_ring()
+    if ring is None:
+        raise SystemExit("profile --ab-blocks: no KV ring in this process (run a variant that records KV accesses)")
+    engine, size = llm.llm_engine, args.ab_blocks
+    original, calls, count = engine.step, [], [0]
+
+    def timed_step():
+        n = count[0]
+        count[0] += 1
+        block = n // size
+        # the flag is read at the step's begin_step, inside this call (the step it schedules)
+        recording = (block % 2 == 0) == ((block // 2) % 2 == 0)
+        ring.sample_every = 1 if recording else PAUSED
+        t0 = time.perf_counter_ns()
+        out = original()
+        calls.append((block, recording, n % size, time.perf_counter_ns() - t0))
+        return out
+
+    engine.step = timed_step
+    rows0, cpu0, t0 = drained_rows(ring), sum(kvtrace_threads_cpu_s()), time.perf_counter()
+    for rep in range(args.reps):
+        llm.generate(prompts(rep), params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    engine.step = original
+    ring.sample_every = 1
+    Path(args.result).write_text(json.dumps({"block_steps": size, "calls": calls, "wall_s": seconds,
+                                             "rows": drained_rows(ring) - rows0,
+                                             "threads_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu0}))
+
+
+# Steps left out at the start of each block: with async scheduling a step's call waits for the previous
+# step's GPU work, so the first call after a switch still carries the other mode's step.
+AB_SKIP = 2
+
+
+def ab_blocks_report(variant: str, r: dict) -> str:
+    blocks: dict[int, tuple[bool, list[int]]] = {}
+    for block, recording, pos, ns in r["calls"]:
+        if pos >= AB_SKIP:
+            blocks.setdefault(block, (recording, []))[1].append(ns)
+    ratios, on_ms, off_ms = [], [], []
+    for pair in range(0, max(blocks, default=-1) + 1, 2):
+        a, b = blocks.get(pair), blocks.get(pair + 1)
+        if not a or not b or not a[1] or not b[1] or a[0] == b[0]:
+            continue
+        on, off = (a, b) if a[0] else (b, a)
+        on_mean, off_mean = statistics.fmean(on[1]) / 1e6, statistics.fmean(off[1]) / 1e6
+        ratios.append(off_mean / on_mean)  # throughput recording / paused: time paused over time recording
+        on_ms.append(on_mean)
+        off_ms.append(off_mean)
+    if not ratios:
+        return f"{variant}: --ab-blocks: no complete pair of blocks"
+    mean, lo, hi = bgt.paired_ci(ratios)
+    steps = len(r["calls"])
+    return (f"{variant}: step blocks of {r['block_steps']}, recording / paused, paired over {len(ratios)} pairs of "
+            f"blocks: {mean:.4f} [{lo:.4f}, {hi:.4f}]; mean step {statistics.fmean(on_ms):.3f} ms recording, "
+            f"{statistics.fmean(off_ms):.3f} ms paused; {steps} steps in {r['wall_s']:.1f} s; rows drained "
+            f"{r['rows']}; kvtrace threads' CPU {100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window "
+            f"(spread over both kinds of block)")
 
 
 def ab_report(variant: str, reps: list[dict]) -> str:
@@ -196,6 +263,8 @@ def worker(args) -> None:
     """The timed repetitions under cProfile (a report), or with `--threads` without it (wall, and the CPU
     of the engine thread, kvtrace's two threads and the whole process over them, as JSON), or `--ab`."""
     llm, params, prompts = bgt.warm_engine(args.model, args.input_len, args.output_len, args.num_prompts)
+    if args.ab_blocks:
+        return ab_blocks_worker(args, llm, params, prompts)
     if args.ab:
         return ab_worker(args, llm, params, prompts)
     sampler = GilSampler(args.py_spy, args.result + ".gil") if args.threads else None
@@ -259,6 +328,9 @@ def main() -> None:
                     "over the timed repetitions (its path)")
     ap.add_argument("--ab", action="store_true",
                     help="in one recorded process, --reps pairs of repetitions: the ring recording vs paused")
+    ap.add_argument("--ab-blocks", type=int, default=0, metavar="STEPS",
+                    help="in one recorded process, over --reps repetitions: blocks of STEPS engine steps, the "
+                    "ring recording and paused in turns (a paired ratio of step times)")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
@@ -282,6 +354,7 @@ def main() -> None:
                    str(result), "--reps", str(args.reps), "--num-prompts", str(args.num_prompts),
                    "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                    *(["--threads"] if args.threads else []), *(["--ab"] if args.ab else []),
+                   *(["--ab-blocks", str(args.ab_blocks)] if args.ab_blocks else []),
                    *(["--py-spy", args.py_spy] if args.py_spy else [])]
             if bgt.VARIANTS[v] is not None:
                 cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session),
@@ -290,6 +363,10 @@ def main() -> None:
             if proc.returncode != 0 or not result.exists():
                 raise SystemExit(f"profile: {v} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             said = [line for line in proc.stderr.splitlines() if line.startswith("kvtrace:")]
+            if args.ab_blocks:
+                print(ab_blocks_report(v, json.loads(result.read_text())), *said[-1:], sep="\n", flush=True)
+                shutil.rmtree(session, ignore_errors=True)
+                continue
             if args.ab:
                 print(ab_report(v, json.loads(result.read_text())), *said[-1:], sep="\n", flush=True)
                 shutil.rmtree(session, ignore_errors=True)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# What recording costs a real engine on the GPU machine (issue 33's measurements), in stages that fit the
+# device tool's calls: each stage writes $OUT/<stage>.log; vLLM's stages need the pieces staged first
+# (scripts/gpu/setup.sh). Every figure names the card it came from (nvidia-smi in env.log).
+#
+#   bash bench/gpu_overhead.sh ring                 # device ring and native drain tests (no vLLM needed)
+#   bash bench/gpu_overhead.sh vllm ab              # real-vLLM cases; step-block A/B of the KV ring
+#   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
+#   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side
+#
+# SHAPE (default 1b) and REPS (default per stage) override the workload's size.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvtrace-gpu}
+export OUT
+mkdir -p "$OUT"
+. scripts/gpu/setup.sh
+SHAPE=${SHAPE:-1b}
+nvidia-smi -L >"$OUT/env.log" 2>&1
+
+run() {  # name timeout_s command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: $*" | tee -a "$OUT/$name.log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.log" | tail -n 40
+    echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.log"
+}
+
+for stage in "$@"; do
+    case $stage in
+    ring)
+        run ring 300 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_device_ring.py \
+            tests/unit/probes/test_kv_drain_native.py tests/unit/probes/test_kv_ring.py ;;
+    vllm)
+        run vllm 420 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_cuda.py \
+            -k "v2-default-flash or v1-default-flash or v2-eager-flash" ;;
+    ab)
+        run ab 420 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants default,all-layers \
+            --ab-blocks 16 --reps "${REPS:-10}" --out "$OUT/ab" ;;
+    gil)
+        run gil 540 env KVTRACE_GIL_RATE_HZ=1000 python3 bench/profile_engine_thread.py --shape "$SHAPE" \
+            --variants default,host-only,all-layers --threads --reps "${REPS:-3}" --py-spy "${KVTRACE_PY_SPY:-}" \
+            --out "$OUT/gil" ;;
+    throughput)
+        run throughput 560 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --together \
+            --variants plain,host-only,default,all-layers --rounds 1 --reps "${REPS:-10}" --out "$OUT/tp" ;;
+    *) echo "unknown stage $stage" ;;
+    esac
+done
