@@ -143,6 +143,13 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              "threads_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu0}))
 
 
+def steady(ns: list[int]) -> bool:
+    """A block of one phase: no step under half or over twice its median (a block with a repetition's
+    prefill steps, ~6x a decode step, or its last steps would weigh its pair by which half it fell in)."""
+    mid = statistics.median(ns)
+    return 0.5 * mid <= min(ns) and max(ns) <= 2 * mid
+
+
 # Steps left out at the start of each block: with async scheduling a step's call waits for the previous
 # step's GPU work, so the first call after a switch still carries the other mode's step.
 AB_SKIP = 2
@@ -153,10 +160,13 @@ def ab_blocks_report(variant: str, r: dict) -> str:
     for block, recording, pos, ns in r["calls"]:
         if pos >= AB_SKIP:
             blocks.setdefault(block, (recording, []))[1].append(ns)
-    ratios, on_ms, off_ms = [], [], []
+    ratios, on_ms, off_ms, mixed = [], [], [], 0
     for pair in range(0, max(blocks, default=-1) + 1, 2):
         a, b = blocks.get(pair), blocks.get(pair + 1)
         if not a or not b or not a[1] or not b[1] or a[0] == b[0]:
+            continue
+        if not (steady(a[1]) and steady(b[1])):
+            mixed += 1
             continue
         on, off = (a, b) if a[0] else (b, a)
         on_mean, off_mean = statistics.fmean(on[1]) / 1e6, statistics.fmean(off[1]) / 1e6
@@ -168,7 +178,7 @@ def ab_blocks_report(variant: str, r: dict) -> str:
     mean, lo, hi = bgt.paired_ci(ratios)
     steps = len(r["calls"])
     return (f"{variant}: step blocks of {r['block_steps']}, recording / paused, paired over {len(ratios)} pairs of "
-            f"blocks: {mean:.4f} [{lo:.4f}, {hi:.4f}]; mean step {statistics.fmean(on_ms):.3f} ms recording, "
+            f"blocks ({mixed} pairs with a prefill or tail left out): {mean:.4f} [{lo:.4f}, {hi:.4f}]; mean step {statistics.fmean(on_ms):.3f} ms recording, "
             f"{statistics.fmean(off_ms):.3f} ms paused; {steps} steps in {r['wall_s']:.1f} s; rows drained "
             f"{r['rows']}; kvtrace threads' CPU {100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window "
             f"(spread over both kinds of block)")
