@@ -108,6 +108,12 @@ def ab_worker(args, llm, params, prompts) -> None:
     Path(args.result).write_text(json.dumps(reps))
 
 
+def block_records(block: int) -> bool:
+    """Whether the ring records in this block of steps: one block of each pair (blocks 2k, 2k + 1) does,
+    the first in even pairs and the second in odd ones, so that a drift inside pairs cancels too."""
+    return (block % 2 == 0) == ((block // 2) % 2 == 0)
+
+
 def ab_blocks_worker(args, llm, params, prompts) -> None:
     """Engine steps in blocks of `--ab-blocks`, the ring recording in one block of each pair and paused in
     the other (the order alternating between pairs), over `--reps` repetitions of the workload; every
@@ -123,8 +129,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         n = count[0]
         count[0] += 1
         block = n // size
+        recording = block_records(block)
         # the flag is read at the step's begin_step, inside this call (the step it schedules)
-        recording = (block % 2 == 0) == ((block // 2) % 2 == 0)
         ring.sample_every = 1 if recording else PAUSED
         t0 = time.perf_counter_ns()
         out = original()

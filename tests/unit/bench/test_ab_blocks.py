@@ -1,0 +1,52 @@
+"""The step-block A/B of bench/profile_engine_thread.py (`--ab-blocks`): which steps each block of a pair
+keeps, which pairs it leaves out, and the ratio it reads from them."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from tests.helpers.run import REPO
+
+
+@pytest.fixture(scope="module")
+def profile():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import profile_engine_thread
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return profile_engine_thread
+
+
+def calls_of(profile, block_ms: list[list[float]], size: int) -> list[tuple]:
+    """(block, recording, position, ns) per step, blocks recording as the worker alternates them."""
+    out = []
+    for block, steps in enumerate(block_ms):
+        recording = profile.block_records(block)
+        assert len(steps) == size
+        out += [(block, recording, pos, int(ms * 1e6)) for pos, ms in enumerate(steps)]
+    return out
+
+
+def test_pairs_read_the_recording_blocks_against_their_neighbours(profile):
+    size = 6
+    blocks = []
+    for block in range(8):
+        recording = profile.block_records(block)
+        speed = 1.0 + 0.5 * (block // 2)  # drift between pairs, none inside one
+        # the first AB_SKIP steps of a block carry the other mode's step: left out
+        blocks.append([50.0] * profile.AB_SKIP + [speed * (10.2 if recording else 10.0)] * (size - profile.AB_SKIP))
+    blocks[5][4] = 60.0  # a prefill step in the third pair: that pair is left out
+    text = profile.ab_blocks_report("default", {"block_steps": size, "calls": calls_of(profile, blocks, size),
+                                                "wall_s": 1.0, "rows": 10, "threads_cpu_s": 0.01})
+    pairs, left_out, ratio = re.search(r"paired over (\d+) pairs of blocks \((\d+) pairs.*?\): (\d\.\d+)", text).groups()
+    assert (int(pairs), int(left_out)) == (3, 1)
+    assert float(ratio) == pytest.approx(10.0 / 10.2, abs=1e-4)  # the drift between pairs cancels
+
+
+def test_the_recording_flag_alternates_its_order_between_pairs(profile):
+    assert [profile.block_records(b) for b in range(8)] == [True, False, False, True, True, False, False, True]
+    assert profile.steady([10, 11, 9, 19]) and not profile.steady([10, 11, 9, 25]) and not profile.steady([10, 10, 4])
