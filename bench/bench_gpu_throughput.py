@@ -72,6 +72,8 @@ VARIANTS = {
     # quarter full instead of every 100 ms; record kernels inline instead of forked beside attention
     "sample-64-rare-drains": ["--kv-sample-every", "64", "--options-json", '{"kv_drain_interval_s": 30}'],
     "sample-64-inline": ["--kv-sample-every", "64", "--options-json", '{"kv_overlap": false}'],
+    "default-inline": ["--options-json", '{"kv_overlap": false}'],
+    "all-layers-inline": ["--kv-granularity", "blocks", "--kv-layers", "all", "--options-json", '{"kv_overlap": false}'],
 }
 
 

@@ -7,6 +7,8 @@
 #   bash bench/gpu_overhead.sh vllm ab              # real-vLLM cases; step-block A/B of the KV ring
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side
+#   SHAPE=8b bash bench/gpu_overhead.sh rounds      # sequential processes, two rounds in turned order
+#                                                   # (the 8B's engines do not fit the GPU together)
 #
 # SHAPE (default 1b) and REPS (default per stage) override the workload's size.
 set -uo pipefail
@@ -44,6 +46,10 @@ for stage in "$@"; do
     throughput)
         run throughput 560 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --together \
             --variants plain,host-only,default,all-layers --rounds 1 --reps "${REPS:-10}" --out "$OUT/tp" ;;
+    rounds)
+        # ~70 s a process once torch.compile's cache is warm (the first process of a machine: ~120 s)
+        run rounds 580 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --rounds 2 --reps "${REPS:-3}" \
+            --variants "${VARIANTS:-plain,default,default-inline}" --out "$OUT/rounds" ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
