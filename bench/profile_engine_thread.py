@@ -138,7 +138,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         return out
 
     engine.step = timed_step
-    rows0, cpu0, t0 = drained_rows(ring), sum(kvtrace_threads_cpu_s()), time.perf_counter()
+    rows0, cpu0, t0, cpus0 = drained_rows(ring), sum(kvtrace_threads_cpu_s()), time.perf_counter(), machine_cpu()
     for rep in range(args.reps):
         llm.generate(prompts(rep), params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -146,7 +146,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     ring.sample_every = 1
     Path(args.result).write_text(json.dumps({"block_steps": size, "calls": calls, "wall_s": seconds,
                                              "rows": drained_rows(ring) - rows0,
-                                             "threads_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu0}))
+                                             "threads_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu0,
+                                             "machine_cpu": machine_cpu_delta(cpus0)}))
 
 
 def steady(ns: list[int]) -> bool:
@@ -187,7 +188,8 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"blocks ({mixed} pairs with a prefill or tail left out): {mean:.4f} [{lo:.4f}, {hi:.4f}]; mean step {statistics.fmean(on_ms):.3f} ms recording, "
             f"{statistics.fmean(off_ms):.3f} ms paused; {steps} steps in {r['wall_s']:.1f} s; rows drained "
             f"{r['rows']}; kvtrace threads' CPU {100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window "
-            f"(spread over both kinds of block)")
+            f"(spread over both kinds of block)"
+            + (f"; machine CPU busy {100 * m['busy']:.1f}%, stolen {100 * m['steal']:.2f}%" if (m := r.get("machine_cpu")) else ""))
 
 
 def ab_report(variant: str, reps: list[dict]) -> str:
@@ -291,7 +293,7 @@ def worker(args) -> None:
     batches = [prompts(rep) for rep in range(args.reps)]
     prof = None if args.threads else cProfile.Profile()
     steps0, t0 = bgt.engine_steps(llm), time.perf_counter()
-    main0, proc0, ours0 = time.thread_time(), time.process_time(), kvtrace_threads_cpu_s()
+    main0, proc0, ours0, cpus0 = time.thread_time(), time.process_time(), kvtrace_threads_cpu_s(), machine_cpu()
     if prof is not None:
         prof.enable()
     for batch in batches:
@@ -308,7 +310,7 @@ def worker(args) -> None:
         ring = kv_ring()
         Path(args.result).write_text(json.dumps({"steps": max(steps, 1), "wall_s": seconds, "engine_thread_cpu_s": main_s,
                                                  "ring_cpu_s": ring_s, "writer_cpu_s": writer_s,
-                                                 "process_cpu_s": proc_s,
+                                                 "process_cpu_s": proc_s, "machine_cpu": machine_cpu_delta(cpus0),
                                                  "drains": ring.stats.get("drains", 0) if ring is not None else 0,
                                                  "native_drain": ring.stats.get("native_drain") if ring is not None else None}))
         return
@@ -399,6 +401,26 @@ def main() -> None:
                   + "\n".join(said[-3:]), flush=True)
 
 
+def machine_cpu() -> list[int] | None:
+    """The machine's CPU time so far by state (/proc/stat's `cpu` line, in clock ticks), or None."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def machine_cpu_delta(before: list[int] | None) -> dict | None:
+    """Over a window: the machine's busy and stolen shares of its CPU time (steal: time the hypervisor
+    ran something else while a vCPU had work; a thread holding the GIL then holds it longer)."""
+    after = machine_cpu()
+    if before is None or after is None or len(after) < 8:
+        return None
+    d = [b - a for a, b in zip(before, after)]
+    total = max(1, sum(d[:8]))  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return {"busy": (total - d[3] - d[4] - d[7]) / total, "steal": d[7] / total}
+
+
 def thread_row(variant: str, r: dict) -> str:
     """One line of ms a step over the timed repetitions: wall, the engine thread's CPU, kvtrace's ring
     drain and shard writer threads' CPU, and the rest of the process's CPU (vLLM's and CUDA's threads)."""
@@ -407,7 +429,8 @@ def thread_row(variant: str, r: dict) -> str:
     return (f"{variant:>18}: {r['steps']} steps, wall {r['wall_s'] / n:.3f} ms a step; CPU ms a step: engine "
             f"thread {r['engine_thread_cpu_s'] / n:.3f}, kvtrace-kv-ring {r['ring_cpu_s'] / n:.3f}, "
             f"kvtrace-writer {r['writer_cpu_s'] / n:.3f}, other threads {rest / n:.3f}"
-            + (f"; {r['drains']} drains ({'native' if r['native_drain'] else 'Python'})" if r.get("drains") else ""))
+            + (f"; {r['drains']} drains ({'native' if r['native_drain'] else 'Python'})" if r.get("drains") else "")
+            + (f"; machine CPU busy {100 * m['busy']:.1f}%, stolen {100 * m['steal']:.2f}%" if (m := r.get("machine_cpu")) else ""))
 
 
 if __name__ == "__main__":
