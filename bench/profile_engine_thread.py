@@ -31,6 +31,15 @@ usual), in pairs whose order alternates, 2.5 s apart so that the drain and the s
 repetition's rows before the next starts (their CPU after the window is printed: the part of the cost
 the window misses). It prints the paired throughput ratio (recording / paused) with a bootstrap interval
 over the pairs, and the rows each recording repetition drained.
+
+`--ab-blocks N` does the same at a finer grain: over `--reps` repetitions, blocks of N engine steps with
+the ring recording and paused in turns (one block of each pair records, the first in even pairs, the
+second in odd ones), each step's wall time kept; pairs whose blocks mix phases (a prefill, a
+repetition's tail) are left out. It reads what recording a step adds to it, on the engine thread and
+the GPU; what the ring does every step whether it records or not (the per-step hooks, the record
+kernels, which exit at once when paused, the drains) and the drain and writer threads' work, spread
+over both kinds of block, are outside it. `--threads` and `--ab-blocks` also print the machine's busy
+and stolen CPU shares over the window.
 """
 
 from __future__ import annotations
