@@ -197,8 +197,7 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"blocks ({mixed} pairs with a prefill or tail left out): {mean:.4f} [{lo:.4f}, {hi:.4f}]; mean step {statistics.fmean(on_ms):.3f} ms recording, "
             f"{statistics.fmean(off_ms):.3f} ms paused; {steps} steps in {r['wall_s']:.1f} s; rows drained "
             f"{r['rows']}; kvtrace threads' CPU {100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window "
-            f"(spread over both kinds of block)"
-            + (f"; machine CPU busy {100 * m['busy']:.1f}%, stolen {100 * m['steal']:.2f}%" if (m := r.get("machine_cpu")) else ""))
+            f"(spread over both kinds of block)" + machine_note(r))
 
 
 def ab_report(variant: str, reps: list[dict]) -> str:
@@ -430,6 +429,12 @@ def machine_cpu_delta(before: list[int] | None) -> dict | None:
     return {"busy": (total - d[3] - d[4] - d[7]) / total, "steal": d[7] / total}
 
 
+def machine_note(r: dict) -> str:
+    """The machine's busy and stolen CPU over a window, as a report's last clause ('' when unknown)."""
+    m = r.get("machine_cpu")
+    return f"; machine CPU busy {100 * m['busy']:.1f}%, stolen {100 * m['steal']:.2f}%" if m else ""
+
+
 def thread_row(variant: str, r: dict) -> str:
     """One line of ms a step over the timed repetitions: wall, the engine thread's CPU, kvtrace's ring
     drain and shard writer threads' CPU, and the rest of the process's CPU (vLLM's and CUDA's threads)."""
@@ -439,7 +444,7 @@ def thread_row(variant: str, r: dict) -> str:
             f"thread {r['engine_thread_cpu_s'] / n:.3f}, kvtrace-kv-ring {r['ring_cpu_s'] / n:.3f}, "
             f"kvtrace-writer {r['writer_cpu_s'] / n:.3f}, other threads {rest / n:.3f}"
             + (f"; {r['drains']} drains ({'native' if r['native_drain'] else 'Python'})" if r.get("drains") else "")
-            + (f"; machine CPU busy {100 * m['busy']:.1f}%, stolen {100 * m['steal']:.2f}%" if (m := r.get("machine_cpu")) else ""))
+            + machine_note(r))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,18 @@ def have_vllm() -> bool:
     return True
 
 
+def bench_module(name: str):
+    """A script of bench/ imported as a module (bench/ is not a package; its scripts import each other
+    by name, so the folder is on the path while it loads)."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+
 def kvtrace_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvtrace", *args]
 

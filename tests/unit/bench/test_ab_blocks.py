@@ -4,21 +4,15 @@ keeps, which pairs it leaves out, and the ratio it reads from them."""
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 
-from tests.helpers.run import REPO
+from tests.helpers.run import bench_module
 
 
 @pytest.fixture(scope="module")
 def profile():
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import profile_engine_thread
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return profile_engine_thread
+    return bench_module("profile_engine_thread")
 
 
 def calls_of(profile, block_ms: list[list[float]], size: int) -> list[tuple]:

@@ -9,7 +9,7 @@ import re
 import sys
 
 from kvtrace.probes.base import WRAPPER_CALL_LINES, before_call, exact_wrapper
-from tests.helpers.run import REPO
+from tests.helpers.run import bench_module
 
 
 def schedule(self, budget, *, throttle=False):
@@ -39,11 +39,7 @@ def test_each_wrapper_records_the_lines_that_call_its_original():
 
 
 def test_the_profile_counts_samples_on_those_lines_as_vllms(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import profile_engine_thread as profile
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    profile = bench_module("profile_engine_thread")
     w = "<kvtrace wrapper of Scheduler.schedule>"
     raw = tmp_path / "gil.raw"
     raw.write_text("\n".join([  # py-spy's raw format with --threads: thread;frames (outermost first) count
