@@ -10,7 +10,8 @@
 #   SHAPE=8b bash bench/gpu_overhead.sh rounds      # sequential processes, two rounds in turned order
 #                                                   # (the 8B's engines do not fit the GPU together)
 #
-# SHAPE (default 1b) and REPS (default per stage) override the workload's size.
+# SHAPE (default 1b) and REPS (default per stage) override the workload's size; VARIANTS the variants of
+# the throughput and rounds stages (bench_gpu_throughput.py --variants).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvtrace-gpu}
@@ -45,7 +46,7 @@ for stage in "$@"; do
             --out "$OUT/gil" ;;
     throughput)
         run throughput 560 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --together \
-            --variants plain,host-only,default,all-layers --rounds 1 --reps "${REPS:-10}" --out "$OUT/tp" ;;
+            --variants "${VARIANTS:-plain,host-only,default,all-layers}" --rounds 1 --reps "${REPS:-10}" --out "$OUT/tp" ;;
     rounds)
         # ~70 s a process once torch.compile's cache is warm (the first process of a machine: ~120 s)
         run rounds 580 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --rounds 2 --reps "${REPS:-3}" \

@@ -78,9 +78,18 @@ CASES = [
      {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
     ("v2-default-async", {"async_scheduling": True}, {}),
 ]
-# Every case records --kv-layers all with the layers of a KV-cache group shared (recorded once, copied at
-# ingest: the default); these record every layer's own records from its own metadata as well.
-EVERY_LAYER = ("v2-default-flash", "v2-eager-triton")
+# Every case records --kv-layers all with the ring's default options (the layers of a KV-cache group
+# shared: recorded once, copied at ingest). These cases run once more with each option set here: every
+# layer's own records from its own metadata; record kernels inline in the CUDA graphs and beside
+# attention on a forked stream (whichever is not the default, the other is what every case runs).
+OPTION_RUNS = {
+    "every-layer": ({"kv_share_layers": False}, ("v2-default-flash", "v2-eager-triton")),
+    "inline": ({"kv_overlap": False}, ("v2-default-flash", "v2-full-triton")),
+    "overlap": ({"kv_overlap": True}, ("v2-default-flash", "v2-full-triton")),
+}
+RUNS = [(name, engine_args, env, {}) for name, engine_args, env in CASES] + [
+    (f"{name}-{suffix}", engine_args, env, options) for suffix, (options, names) in OPTION_RUNS.items()
+    for name, engine_args, env in CASES if name in names]
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +136,12 @@ def note(name: str, row: dict) -> None:
             f.write(json.dumps({"case": name, **row}, default=str) + "\n")
 
 
-@pytest.mark.parametrize("name, engine_args, env, share",
-                         [(*c, True) for c in CASES] + [(f"{c[0]}-every-layer", *c[1:], False) for c in CASES
-                                                         if c[0] in EVERY_LAYER],
-                         ids=[c[0] for c in CASES] + [f"{n}-every-layer" for n in EVERY_LAYER])
-def test_recorded_run_is_exact(name, engine_args, env, share, model, tmp_path):
+@pytest.mark.parametrize("name, engine_args, env, options", RUNS, ids=[r[0] for r in RUNS])
+def test_recorded_run_is_exact(name, engine_args, env, options, model, tmp_path):
     if "flashinfer" in name and importlib.util.find_spec("flashinfer") is None:
         pytest.skip("the flashinfer package is not installed (scripts/gpu/pack_vllm.sh leaves it out)")
     run = record(tmp_path, name, model, engine_args, env, ["--kv-granularity", "blocks", "--kv-layers", "all",
-                                                            "--options-json", json.dumps({"kv_share_layers": share})])
+                                                            "--options-json", json.dumps(options)])
     check_exact(name, run, engine_args, BLOCK)
 
 
