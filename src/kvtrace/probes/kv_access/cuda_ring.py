@@ -7,8 +7,9 @@ Hot path (inference thread), per call:
   - `record_layer`: one `kv_record` launch through `cupy.cuda.driver.launchKernel` with a prebuilt ctypes
     argument struct (rebuilt only when the layer's tensors, shapes or decision change) on the raw pointer of
     PyTorch's current stream. No CuPy array, no DLPack, no allocation, no sync. While a CUDA graph is
-    captured (overlap=True) the launch goes to a side stream forked from the current one and joined at the
-    next layer, so the replayed kernel runs beside attention rather than between two kernels.
+    captured with overlap=True (not the default) the launch goes to a side stream forked from the current
+    one and joined at the next layer, so the replayed kernel runs beside attention rather than between two
+    kernels.
   - `begin_step`: one 1-thread `kv_set_state` launch (step id and sampling flag into device memory, head
     snapshot), then `drain` when due (`_drain_due`: every 100 ms, or sooner when the ring may be a quarter
     full): an event on the inference stream, a 64-byte copy of the snapshot into pinned memory on a side

@@ -7,7 +7,7 @@ One small API, two implementations with identical record semantics: `CPUKVAccess
 API
 ---
     ring = make_ring(device, capacity=1 << 20, block_size=16, granularity="timing", layers=None,
-                     sample_every=1, recorder=None, timing_capacity=1 << 14, auto_drain=True, overlap=True)
+                     sample_every=1, recorder=None, timing_capacity=1 << 14, auto_drain=True, overlap=False)
 
 `device`: a torch.device / "cuda:N" / "cpu" (or a tensor: its device). CUDA device and CuPy importable ->
 `CudaKVAccessRing`; otherwise `CPUKVAccessRing` (a CUDA device without CuPy raises: CPU tensors would be
@@ -36,12 +36,15 @@ needed). Arguments:
                    shards say so (`kv_access_records.layer_copies`), so ingest writes its kv_access rows
                    (with the earlier layer's timestamps). 1/N of the records for N layers in a group.
                    False: every layer's records from its own metadata (the GPU suite checks both).
-  overlap          GPU, CUDA graphs (default True): while a graph is captured, each layer's record kernel is
-                   forked onto a side stream and joined at the next layer, so in the graph it runs beside
-                   attention instead of between kernels (measured on an H100: +0.38% -> +0.01% of a decode step). The
-                   last fork is joined by a wrapper around torch.cuda.CUDAGraph.capture_end (installed once,
-                   with capture_begin resetting it); a capture through anything but torch.cuda.CUDAGraph needs
-                   overlap=False. Eager calls always launch inline on the current stream.
+  overlap          GPU, CUDA graphs (default False: each record kernel inline, between two kernels of the
+                   step). True: while a graph is captured, each layer's record kernel is forked onto a side
+                   stream and joined at the next layer, so in the graph it runs beside attention. That wins
+                   on an attention-only step (H100: +0.38% -> +0.01%) and loses in a real engine, where the
+                   forked kernels run beside the GEMMs (8B on an H100: 0.989 of plain throughput forked,
+                   0.996 inline; docs/performance.md). The last fork is joined by a wrapper around
+                   torch.cuda.CUDAGraph.capture_end (installed once, with capture_begin resetting it); a
+                   capture through anything but torch.cuda.CUDAGraph needs overlap=False. Eager calls always
+                   launch inline on the current stream.
 
     ring.begin_step(step: int, record: bool = True) -> None
         Call once per engine step, before the forward pass (and before `graph.replay()`), on the inference
@@ -257,7 +260,7 @@ class KVAccessRing:
 
     def __init__(self, capacity: int = 1 << 20, block_size: int = 16, granularity: str = "timing",
                  layers: str | Iterable[int] | None = None, sample_every: int = 1, recorder: Any = None,
-                 timing_capacity: int = 1 << 14, auto_drain: bool = True, overlap: bool = True,
+                 timing_capacity: int = 1 << 14, auto_drain: bool = True, overlap: bool = False,
                  share_layers: bool = True):
         for name, v in (("capacity", capacity), ("timing_capacity", timing_capacity)):
             if v < 2 or v & (v - 1):

@@ -331,9 +331,9 @@ class AttentionProbe(Probe):
         ring = make_ring(runner.device, capacity=capacity, block_size=block_size,
                          granularity=granularity, layers=layers, sample_every=sample_every,
                          recorder=self.rec,
-                         # CUDA only: run record kernels beside attention inside captured graphs
-                         # (docs/device-ring.md); {"kv_overlap": false} keeps them inline.
-                         overlap=bool(self.options.get("kv_overlap", True)),
+                         # CUDA only: record kernels inline in captured graphs, cheaper in a real
+                         # engine than forked beside attention ({"kv_overlap": true}; docs/device-ring.md)
+                         overlap=bool(self.options.get("kv_overlap", False)),
                          # --kv-layers all: the layers of a KV-cache group recorded once, copied at
                          # ingest; {"kv_share_layers": false} records every layer's own
                          share_layers=bool(self.options.get("kv_share_layers", True)))
