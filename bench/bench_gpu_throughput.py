@@ -68,12 +68,12 @@ VARIANTS = {
     "default-sample-64": ["--kv-sample-every", "64"],
     # the default granularity with the ring drained by Python (torch copies, NumPy) instead of _drain.c
     "default-python-drain": ["--options-json", '{"kv_native_drain": false}'],
-    # the per-step machinery without most records (one step in 64), and apart: drained only when a
-    # quarter full instead of every 100 ms; record kernels inline instead of forked beside attention
+    # the per-step machinery without most records (one step in 64): drained only when a quarter full
+    # instead of every 100 ms
     "sample-64-rare-drains": ["--kv-sample-every", "64", "--options-json", '{"kv_drain_interval_s": 30}'],
-    "sample-64-inline": ["--kv-sample-every", "64", "--options-json", '{"kv_overlap": false}'],
-    "default-inline": ["--options-json", '{"kv_overlap": false}'],
-    "all-layers-inline": ["--kv-granularity", "blocks", "--kv-layers", "all", "--options-json", '{"kv_overlap": false}'],
+    # record kernels forked beside attention in the CUDA graphs instead of inline (the default)
+    "default-forked": ["--options-json", '{"kv_overlap": true}'],
+    "all-layers-forked": ["--kv-granularity", "blocks", "--kv-layers", "all", "--options-json", '{"kv_overlap": true}'],
 }
 
 

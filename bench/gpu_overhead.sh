@@ -50,7 +50,7 @@ for stage in "$@"; do
     rounds)
         # ~70 s a process once torch.compile's cache is warm (the first process of a machine: ~120 s)
         run rounds 580 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --rounds 2 --reps "${REPS:-3}" \
-            --variants "${VARIANTS:-plain,default,default-inline}" --out "$OUT/rounds" ;;
+            --variants "${VARIANTS:-plain,default,default-forked}" --out "$OUT/rounds" ;;
     *) echo "unknown stage $stage" ;;
     esac
 done
