@@ -48,9 +48,10 @@ for stage in "$@"; do
         run throughput 560 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --together \
             --variants "${VARIANTS:-plain,host-only,default,all-layers}" --rounds 1 --reps "${REPS:-10}" --out "$OUT/tp" ;;
     rounds)
-        # ~70 s a process once torch.compile's cache is warm (the first process of a machine: ~120 s)
+        # 8B: 80-105 s a process once torch.compile's cache is warm (the first of a machine: ~160 s), so
+        # two rounds of two variants fit one device call and two rounds of three do not
         run rounds 580 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --rounds 2 --reps "${REPS:-3}" \
-            --variants "${VARIANTS:-plain,default,default-forked}" --out "$OUT/rounds" ;;
+            --variants "${VARIANTS:-plain,default}" --out "$OUT/rounds" ;;
     *) echo "unknown stage $stage" ;;
     esac
 done

@@ -79,12 +79,11 @@ CASES = [
     ("v2-default-async", {"async_scheduling": True}, {}),
 ]
 # Every case records --kv-layers all with the ring's default options (the layers of a KV-cache group
-# shared: recorded once, copied at ingest). These cases run once more with each option set here: every
-# layer's own records from its own metadata; record kernels inline in the CUDA graphs and beside
-# attention on a forked stream (whichever is not the default, the other is what every case runs).
+# shared: recorded once, copied at ingest; record kernels inline in the CUDA graphs). These cases run once
+# more with each option here that is not the default: every layer's own records from its own metadata;
+# record kernels forked beside attention on a side stream.
 OPTION_RUNS = {
     "every-layer": ({"kv_share_layers": False}, ("v2-default-flash", "v2-eager-triton")),
-    "inline": ({"kv_overlap": False}, ("v2-default-flash", "v2-full-triton")),
     "overlap": ({"kv_overlap": True}, ("v2-default-flash", "v2-full-triton")),
 }
 RUNS = [(name, engine_args, env, {}) for name, engine_args, env in CASES] + [
