@@ -5,13 +5,15 @@
 #
 #   bash bench/gpu_overhead.sh ring                 # device ring and native drain tests (no vLLM needed)
 #   bash bench/gpu_overhead.sh vllm ab              # real-vLLM cases; step-block A/B of the KV ring
+#   CASES="v2-full-flash or cpu_offload" bash bench/gpu_overhead.sh vllm   # other cases (pytest -k)
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side
 #   SHAPE=8b bash bench/gpu_overhead.sh rounds      # sequential processes, two rounds in turned order
 #                                                   # (the 8B's engines do not fit the GPU together)
 #
 # SHAPE (default 1b) and REPS (default per stage) override the workload's size; VARIANTS the variants of
-# the throughput and rounds stages (bench_gpu_throughput.py --variants).
+# the throughput and rounds stages (bench_gpu_throughput.py --variants); CASES the vllm stage's cases
+# (a pytest -k expression over tests/gpu/test_vllm_cuda.py; ~60 s a case, 9 fit the stage's 560 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvtrace-gpu}
@@ -35,8 +37,8 @@ for stage in "$@"; do
         run ring 300 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_device_ring.py \
             tests/unit/probes/test_kv_drain_native.py tests/unit/probes/test_kv_ring.py ;;
     vllm)
-        run vllm 420 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_cuda.py \
-            -k "v2-default-flash or v1-default-flash or v2-eager-flash" ;;
+        run vllm 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_cuda.py \
+            -k "${CASES:-v2-default-flash or v1-default-flash or v2-eager-flash}" ;;
     ab)
         run ab 420 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants default,all-layers \
             --ab-blocks 16 --reps "${REPS:-10}" --out "$OUT/ab" ;;
