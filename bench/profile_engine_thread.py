@@ -40,6 +40,14 @@ the GPU; what the ring does every step whether it records or not (the per-step h
 kernels, which exit at once when paused, the drains) and the drain and writer threads' work, spread
 over both kinds of block, are outside it. `--threads` and `--ab-blocks` also print the machine's busy
 and stolen CPU shares over the window.
+
+`--hook-times` (with `--threads`) times kvtrace's per-step calls on the engine thread over the same
+window, each wrapped in a `perf_counter_ns` pair (~0.2 us a call of its own): the KV ring's
+`begin_step`, `record_layer` and `drain`, and inside them its kernel launches (`begin_step`'s apart from
+the eager layers'), CUDA stream-capture queries and head snapshots; the scheduler probe's `on_schedule`
+and `after_update`. It prints each one's us per engine step and the distribution of a call (median, 90th
+and 99th percentiles): what a call costs beside a running engine, where a microbenchmark on an idle GPU
+(bench_begin_step.py) sees only the best case.
 """
 
 from __future__ import annotations
@@ -84,6 +92,67 @@ def kv_ring() -> object | None:
     from kvtrace.probes import lifecycle
 
     return next((p.ring for p in lifecycle.installed() if getattr(p, "ring", None) is not None), None)
+
+
+class HookTimes:
+    """Wall time of kvtrace's per-step calls on the engine thread (`--hook-times`): instance attributes
+    that shadow the ring's and the scheduler probe's methods, each call timed with `perf_counter_ns`."""
+
+    RING = ("begin_step", "record_layer", "drain", "_launch_kernel", "_capturing", "_snapshot")
+    SCHEDULER = ("on_schedule", "after_update")
+
+    def __init__(self) -> None:
+        from kvtrace.probes import lifecycle
+
+        self.ns: dict[str, list[int]] = {}
+        self.in_begin = False
+        ring = kv_ring()
+        for name in self.RING if ring is not None else ():
+            self._wrap(ring, name)
+        sched = next((p for p in lifecycle.installed() if p.name == "scheduler"), None)
+        for name in self.SCHEDULER if sched is not None else ():
+            self._wrap(sched, name)
+
+    def _wrap(self, obj: object, name: str) -> None:
+        fn = getattr(obj, name, None)
+        if fn is None:  # the CPU ring has no launches, capture queries or snapshots
+            return
+        clock = time.perf_counter_ns
+
+        if name == "begin_step":
+            def timed(*args, **kwargs):
+                self.in_begin = True
+                t = clock()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.ns.setdefault(name, []).append(clock() - t)
+                    self.in_begin = False
+        else:
+            def timed(*args, **kwargs):
+                t = clock()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    key = f"{name} (begin_step)" if self.in_begin and name != "begin_step" else name
+                    self.ns.setdefault(key, []).append(clock() - t)
+        setattr(obj, name, timed)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per call name: calls, total us, median / p90 / p99 us of a call."""
+        out = {}
+        for name, xs in self.ns.items():
+            xs = sorted(xs)
+            out[name] = {"calls": len(xs), "total_us": sum(xs) / 1e3,
+                         **{f"p{q}_us": xs[min(len(xs) - 1, len(xs) * q // 100)] / 1e3 for q in (50, 90, 99)}}
+        return out
+
+
+def hook_report(hooks: dict[str, dict[str, float]], steps: int) -> str:
+    """One line: each timed call's us per engine step, and a call's median / p90 / p99 in us."""
+    parts = [f"{name} {h['total_us'] / max(steps, 1):.1f} ({h['calls']} calls: {h['p50_us']:.1f} / "
+             f"{h['p90_us']:.1f} / {h['p99_us']:.1f})" for name, h in sorted(hooks.items(), key=lambda kv: -kv[1]["total_us"])]
+    return "kvtrace calls on the engine thread, us a step (calls: a call's median / p90 / p99 us): " + "; ".join(parts)
 
 
 def drained_rows(ring) -> int:
@@ -299,6 +368,7 @@ def worker(args) -> None:
 
         Path(args.result + ".calls.json").write_text(json.dumps(WRAPPER_CALL_LINES))
     batches = [prompts(rep) for rep in range(args.reps)]
+    hooks = HookTimes() if args.threads and args.hook_times else None
     prof = None if args.threads else cProfile.Profile()
     steps0, t0 = bgt.engine_steps(llm), time.perf_counter()
     main0, proc0, ours0, cpus0 = time.thread_time(), time.process_time(), kvtrace_threads_cpu_s(), machine_cpu()
@@ -320,7 +390,8 @@ def worker(args) -> None:
                                                  "ring_cpu_s": ring_s, "writer_cpu_s": writer_s,
                                                  "process_cpu_s": proc_s, "machine_cpu": machine_cpu_delta(cpus0),
                                                  "drains": ring.stats.get("drains", 0) if ring is not None else 0,
-                                                 "native_drain": ring.stats.get("native_drain") if ring is not None else None}))
+                                                 "native_drain": ring.stats.get("native_drain") if ring is not None else None,
+                                                 "hooks": hooks.summary() if hooks is not None else None}))
         return
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # self time of every function
@@ -352,6 +423,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="processes per variant, in turns (--threads)")
     ap.add_argument("--py-spy", metavar="PATH", help="with --threads: py-spy samples which thread holds the GIL "
                     "over the timed repetitions (its path)")
+    ap.add_argument("--hook-times", action="store_true",
+                    help="with --threads: time kvtrace's per-step calls on the engine thread (begin_step, its "
+                    "launch, record_layer, drain, the scheduler probe's handlers)")
     ap.add_argument("--ab", action="store_true",
                     help="in one recorded process, --reps pairs of repetitions: the ring recording vs paused")
     ap.add_argument("--ab-blocks", type=int, default=0, metavar="STEPS",
@@ -380,6 +454,7 @@ def main() -> None:
                    str(result), "--reps", str(args.reps), "--num-prompts", str(args.num_prompts),
                    "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                    *(["--threads"] if args.threads else []), *(["--ab"] if args.ab else []),
+                   *(["--hook-times"] if args.hook_times else []),
                    *(["--ab-blocks", str(args.ab_blocks)] if args.ab_blocks else []),
                    *(["--py-spy", args.py_spy] if args.py_spy else [])]
             if bgt.VARIANTS[v] is not None:
@@ -402,6 +477,7 @@ def main() -> None:
                 gil, calls = Path(str(result) + ".gil"), Path(str(result) + ".calls.json")
                 call_lines = json.loads(calls.read_text()) if calls.exists() else None
                 print(thread_row(v, r), *([gil_summary(gil, r["wall_s"], call_lines)] if gil.exists() else []),
+                      *([hook_report(r["hooks"], r["steps"])] if r.get("hooks") else []),
                       *said[-1:], sep="\n", flush=True)
                 shutil.rmtree(session, ignore_errors=True)
                 continue
