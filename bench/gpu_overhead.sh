@@ -6,8 +6,8 @@
 #   bash bench/gpu_overhead.sh ring                 # device ring and native drain tests (no vLLM needed)
 #   bash bench/gpu_overhead.sh vllm ab              # real-vLLM cases; step-block A/B of the KV ring
 #   CASES="v2-full-flash or cpu_offload" bash bench/gpu_overhead.sh vllm   # other cases (pytest -k)
-#   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz;
-#                                                   # kvtrace's per-step calls timed (--hook-times)
+#   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
+#   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)
 #   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side
 #   SHAPE=8b bash bench/gpu_overhead.sh rounds      # sequential processes, two rounds in turned order
 #                                                   # (the 8B's engines do not fit the GPU together)
@@ -45,8 +45,12 @@ for stage in "$@"; do
             --ab-blocks 16 --reps "${REPS:-10}" --out "$OUT/ab" ;;
     gil)
         run gil 540 env KVTRACE_GIL_RATE_HZ=1000 python3 bench/profile_engine_thread.py --shape "$SHAPE" \
-            --variants default,host-only,all-layers --threads --hook-times --reps "${REPS:-3}" --py-spy "${KVTRACE_PY_SPY:-}" \
+            --variants default,host-only,all-layers --threads --reps "${REPS:-3}" --py-spy "${KVTRACE_PY_SPY:-}" \
             --out "$OUT/gil" ;;
+    hooks)
+        # apart from the gil stage: the timers' own frames would count in its GIL shares
+        run hooks 420 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants default,host-only \
+            --threads --hook-times --reps "${REPS:-3}" --out "$OUT/hooks" ;;
     throughput)
         run throughput 560 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --together \
             --variants "${VARIANTS:-plain,host-only,default,all-layers}" --rounds 1 --reps "${REPS:-10}" --out "$OUT/tp" ;;

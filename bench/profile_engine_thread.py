@@ -118,24 +118,19 @@ class HookTimes:
         if fn is None:  # the CPU ring has no launches, capture queries or snapshots
             return
         clock = time.perf_counter_ns
+        outer = name == "begin_step"
 
-        if name == "begin_step":
-            def timed(*args, **kwargs):
+        def timed(*args, **kwargs):
+            key = f"{name} (begin_step)" if self.in_begin else name
+            if outer:
                 self.in_begin = True
-                t = clock()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self.ns.setdefault(name, []).append(clock() - t)
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ns.setdefault(key, []).append(clock() - t)
+                if outer:
                     self.in_begin = False
-        else:
-            def timed(*args, **kwargs):
-                t = clock()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    key = f"{name} (begin_step)" if self.in_begin and name != "begin_step" else name
-                    self.ns.setdefault(key, []).append(clock() - t)
         setattr(obj, name, timed)
 
     def summary(self) -> dict[str, dict[str, float]]:
