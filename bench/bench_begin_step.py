@@ -9,7 +9,8 @@ timing, so the launch queue never fills), alternating over rounds in one process
 call, medians over rounds.
 
 - `begin_step`: the ring's own (auto drain off: the drain is measured by bench_kv_drain.py);
-- `cupy launch`: CuPy's `driver.launchKernel` alone (what begin_step calls; it lets the GIL go);
+- `native launch`: `_drain.c`'s `launch` alone (what begin_step calls where it is built; it keeps the GIL);
+- `cupy launch`: CuPy's `driver.launchKernel` alone (what begin_step calls otherwise; it lets the GIL go);
 - `ctypes launch (GIL let go)` and `ctypes launch (GIL kept)`: cuLaunchKernel through ctypes' CDLL and PyDLL;
 - `host part`: begin_step's Python without the launch (`_set_step`, the capture check, the argument struct).
 """
@@ -50,7 +51,8 @@ def main() -> None:
     ring = make_ring("cuda", auto_drain=False, granularity="blocks")
     stream = ring._current_stream
     fn, params = ring._f_state, ring._state_launch.params_addr
-    launch = ring._launch_kernel
+    cupy_launch = ring._cupy_launch
+    native_launch = ring._native.launch if ring.native_launch else None
     argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
     released = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
     kept = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
@@ -65,11 +67,13 @@ def main() -> None:
 
     variants = {
         "begin_step": lambda i: ring.begin_step(i),
-        "cupy launch": lambda i: launch(fn, 1, 1, 1, 32, 1, 1, 0, stream(), params, 0),
+        "cupy launch": lambda i: cupy_launch(fn, 1, 1, 1, 32, 1, 1, 0, stream(), params, 0),
         "ctypes launch (GIL let go)": lambda i: released(fn, 1, 1, 1, 32, 1, 1, 0, stream(), params, None),
         "ctypes launch (GIL kept)": lambda i: kept(fn, 1, 1, 1, 32, 1, 1, 0, stream(), params, None),
         "host part": host_part,
     }
+    if native_launch is not None:
+        variants["native launch"] = lambda i: native_launch(fn, 1, 1, 1, 32, 1, 1, 0, stream(), params, 0)
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     for f in variants.values():  # warm-up
         timed(f, args.batch, args.batch)

@@ -61,15 +61,18 @@ VARIANTS = {
     "host-only": ["--kv-granularity", "off"],  # the host probes alone: no attention probe, no ring
     "default": [],
     "all-layers": ["--kv-granularity", "blocks", "--kv-layers", "all"],
-    # the default granularity with the device ring drained every step, instead of every 100 ms (or
-    # sooner when it may be a quarter full)
-    "default-drain-each-step": ["--options-json", '{"kv_drain_interval_s": 0}'],
+    # the default granularity with the device ring drained every millisecond, instead of every 100 ms
+    # (or sooner when it may be a quarter full)
+    "default-drain-1ms": ["--options-json", '{"kv_drain_interval_s": 0.001}'],
+    # the default granularity with the ring's kernels launched through CuPy (which lets the GIL go around
+    # each launch) instead of _drain.c's launch (which keeps it)
+    "default-cupy-launch": ["--options-json", '{"kv_native_launch": false}'],
     # the default granularity on one step in 64: the per-step hooks stay, the device records go
     "default-sample-64": ["--kv-sample-every", "64"],
     # the default granularity with the ring drained by Python (torch copies, NumPy) instead of _drain.c
     "default-python-drain": ["--options-json", '{"kv_native_drain": false}'],
-    # the per-step machinery without most records (one step in 64): drained only when a quarter full
-    # instead of every 100 ms
+    # the per-step machinery without most records (one step in 64): drained every 30 s (or when a
+    # quarter full) instead of every 100 ms
     "sample-64-rare-drains": ["--kv-sample-every", "64", "--options-json", '{"kv_drain_interval_s": 30}'],
     # record kernels forked beside attention in the CUDA graphs instead of inline (the default)
     "default-forked": ["--options-json", '{"kv_overlap": true}'],

@@ -13,7 +13,7 @@
 #                                                   # (the 8B's engines do not fit the GPU together)
 #
 # SHAPE (default 1b) and REPS (default per stage) override the workload's size; VARIANTS the variants of
-# the throughput and rounds stages (bench_gpu_throughput.py --variants); CASES the vllm stage's cases
+# the gil, hooks, throughput and rounds stages (bench_gpu_throughput.py's names); CASES the vllm stage's cases
 # (a pytest -k expression over tests/gpu/test_vllm_cuda.py; ~60 s a case, 9 fit the stage's 560 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +22,9 @@ export OUT
 mkdir -p "$OUT"
 . scripts/gpu/setup.sh
 SHAPE=${SHAPE:-1b}
+# the gil and hooks stages' workload: 256 prompts of 512 tokens, 256 out (decode-heavy) unless WORKLOAD says
+# otherwise, e.g. WORKLOAD="--input-len 2048 --output-len 16" (prefill-heavy: most steps run attention eagerly)
+WORKLOAD=${WORKLOAD:-}
 nvidia-smi -L >"$OUT/env.log" 2>&1
 
 run() {  # name timeout_s command...
@@ -45,12 +48,12 @@ for stage in "$@"; do
             --ab-blocks 16 --reps "${REPS:-10}" --out "$OUT/ab" ;;
     gil)
         run gil 540 env KVTRACE_GIL_RATE_HZ=1000 python3 bench/profile_engine_thread.py --shape "$SHAPE" \
-            --variants default,host-only,all-layers --threads --reps "${REPS:-3}" --py-spy "${KVTRACE_PY_SPY:-}" \
-            --out "$OUT/gil" ;;
+            --variants "${VARIANTS:-default,host-only,all-layers}" --threads --reps "${REPS:-3}" --py-spy "${KVTRACE_PY_SPY:-}" \
+            $WORKLOAD --out "$OUT/gil" ;;
     hooks)
         # apart from the gil stage: the timers' own frames would count in its GIL shares
-        run hooks 420 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants default,host-only \
-            --threads --hook-times --reps "${REPS:-3}" --out "$OUT/hooks" ;;
+        run hooks 420 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${VARIANTS:-default,host-only}" \
+            --threads --hook-times --reps "${REPS:-3}" $WORKLOAD --out "$OUT/hooks" ;;
     throughput)
         run throughput 560 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --together \
             --variants "${VARIANTS:-plain,host-only,default,all-layers}" --rounds 1 --reps "${REPS:-10}" --out "$OUT/tp" ;;

@@ -184,6 +184,57 @@ def test_cuda_graph_capture_and_replay_exact_per_step(overlap):
     assert timings(rg) == timings(rc) and len(timings(rg)) == 5 * 4
 
 
+def test_begin_step_during_a_capture_is_refused_and_said():
+    """begin_step while the current stream captures (through torch.cuda.CUDAGraph, whose captures the ring
+    counts instead of asking CUDA every step) launches nothing into the graph, and says so once."""
+    from kvtrace.probes.kv_access import cuda_ring
+
+    g, rg, _, _ = rings(capacity=1 << 12, granularity="blocks")
+    static = on_dev(make_metadata(random.Random(3), num_reqs=4))
+    g.begin_step(0)
+    assert cuda_ring._CAPTURES[0] == 0 and g._capture_hooked
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert cuda_ring._CAPTURES[0] == 1
+        g.begin_step(99)
+        g.record_layer(0, *static)
+    assert cuda_ring._CAPTURES[0] == 0
+    g.begin_step(1)
+    graph.replay()
+    g.close()
+    assert {r[0] for r in kv(rg)} == {1}  # the replay carries the step set before it, not 99
+    assert sum("during CUDA graph capture" in w for w in rg.warnings) == 1
+
+
+@pytest.mark.parametrize("launch", ["native", "cupy"])
+def test_the_background_thread_drains_by_itself(launch):
+    """auto_drain: rows reach the recorder while the ring runs, with no drain() or flush() call, from
+    drains the background thread times (every 100 ms, sooner when the ring may fill: a 4,096-record ring
+    filled at ~100 records a step is drained before it wraps). Both launch paths give the same records."""
+    rng = random.Random(21)
+    g, rg, c, rc = rings(capacity=1 << 12, granularity="blocks", timing_capacity=1 << 10)
+    g.native_launch = launch == "native"
+    if launch == "native" and not g.native_launch:
+        pytest.skip("the native launch (_drain.c) is not built here")
+    assert g.native_launch == (launch == "native")
+    for step in range(200):
+        meta = make_metadata(rng, num_reqs=rng.randrange(1, 6))
+        g.begin_step(step)
+        c.begin_step(step)
+        g.record_layer(0, *on_dev(meta))
+        c.record_layer(0, *meta)
+        time.sleep(0.002)
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 5
+    while g.stats.get("drains", 0) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert g.stats.get("drains", 0) >= 3 and rg.buffers.get("kv_access")  # drained before any flush
+    g.close()
+    c.close()
+    assert kv(rg) == kv(rc) and rg.dropped == {}
+    assert timings(rg) == timings(rc)
+
+
 def test_sampling_inside_a_graph():
     rng = random.Random(10)
     static = on_dev(make_metadata(rng, num_reqs=8))

@@ -117,3 +117,78 @@ def test_a_ring_drains_the_same_records_and_drops_either_way(monkeypatch):
     assert timings.dtype == ring_module.TIM_DTYPE and timings.tobytes() == ref_timings.tobytes()
     assert timings.size == 3 * 8 and dropped["layer_timings"]["ring-wrap"] == 3 * (12 - 8)
     assert set(owned) == {True} and set(ref_owned) == {False}  # the native path's copy is the recorder's
+
+
+class FakeDriver:
+    """The four CUDA driver calls `_drain.c` makes, as ctypes callbacks on host memory: a "device" address
+    is a host one here, an event a number, and every call is logged (name, arguments)."""
+
+    def __init__(self):
+        import ctypes
+
+        self.calls = []
+        self.launch_rc = 0
+        u64, ptr, cint = ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int
+        self._sync = ctypes.CFUNCTYPE(cint, ptr)(lambda ev: self.calls.append(("sync", ev)) or 0)
+        self._record = ctypes.CFUNCTYPE(cint, ptr, ptr)(lambda ev, s: self.calls.append(("record", ev, s)) or 0)
+
+        def copy(dst, src, n, stream):
+            self.calls.append(("copy", dst, src, n, stream))
+            ctypes.memmove(dst, src, n)
+            return 0
+
+        self._copy = ctypes.CFUNCTYPE(cint, ptr, u64, ctypes.c_size_t, ptr)(copy)
+        uint = ctypes.c_uint
+
+        def launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            self.calls.append(("launch", f, gx, gy, gz, bx, by, bz, smem, stream, params, extra))
+            return self.launch_rc
+
+        self._launch = ctypes.CFUNCTYPE(cint, ptr, uint, uint, uint, uint, uint, uint, uint, ptr, ptr, ptr)(launch)
+        self.fns = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (self._sync, self._record, self._copy))
+        self.launch_addr = ctypes.cast(self._launch, ctypes.c_void_p).value
+
+
+@native_only
+def test_launch_passes_cupys_arguments_to_the_driver_and_says_its_errors():
+    drv = FakeDriver()
+    native.set_launcher(drv.launch_addr)
+    native.launch(11, 1, 2, 3, 32, 1, 1, 2048, 0xABC, 0x1000, 0)
+    assert drv.calls == [("launch", 11, 1, 2, 3, 32, 1, 1, 2048, 0xABC, 0x1000, None)]
+    drv.launch_rc = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(RuntimeError, match="cuLaunchKernel failed: CUresult 700"):
+        native.launch(11, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0)
+    with pytest.raises(TypeError, match="11 integers"):
+        native.launch(11, 1)
+    with pytest.raises(OverflowError):
+        native.launch(-1, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0)
+
+
+@native_only
+@pytest.mark.parametrize("take_snapshot", [False, True])
+def test_a_drain_that_takes_its_own_snapshot_reads_the_state_words_first(take_snapshot):
+    """The background thread's timed drains (take_snapshot): the state words are copied to the snapshot
+    slot and its event recorded on the drain's stream, before the wait and the ring copies; an explicit
+    drain's snapshot (copied by the engine's thread) is read as it is."""
+    cap, log2cap = 64, 6
+    ring = np.zeros(cap, REC_DTYPE)
+    ring["block_id"] = np.arange(cap)
+    set_laps(ring[:40], 0, log2cap)  # positions 0..39 written
+    tring = np.zeros(8, ring_module.TIM_DTYPE)
+    state = np.zeros(8, np.int64)
+    state[2], state[5] = 40, 40  # ST_SNAP_REC, ST_REC_HEAD: 40 records, all complete
+    snap = np.zeros(8, np.int64)  # the slot: zeros unless the drain copies the state in
+    stage, tstage, live = np.zeros(cap, REC_DTYPE), np.zeros(8, ring_module.TIM_DTYPE), np.zeros(8, np.int64)
+    drv = FakeDriver()
+    addr = lambda a: a.__array_interface__["data"][0]  # noqa: E731
+    err, where, heads, windows, lives, kept = native.drain_device(
+        drv.fns, 501, addr(snap), (2, 3), (5, 6), (addr(ring), addr(stage), 0, cap), (addr(tring), addr(tstage), 0, 8),
+        addr(state), addr(live), 77, 502, log2cap, take_snapshot)
+    assert err == 0 and where == ""
+    if take_snapshot:
+        assert drv.calls[:3] == [("copy", addr(snap), addr(state), 64, 77), ("record", 501, 77), ("sync", 501)]
+        assert heads == (40, 0) and windows == (0, 40, 0, 0) and lives == (40, 0)
+        assert np.frombuffer(kept, REC_DTYPE)["block_id"].tolist() == list(range(40))
+    else:
+        assert drv.calls == [("sync", 501)]  # the engine's copy is awaited, and says nothing new
+        assert heads == (0, 0) and kept is None

@@ -167,7 +167,7 @@ static int copy_window(memcpy_dtoh_async_fn memcpy_async, RingWindow *w, void *s
 }
 
 /* drain_device(fns, snap_event, snap_host, head_words, live_words, rec_ring, tim_ring, state, live_host,
-                stream, copy_event, log2cap)
+                stream, copy_event, log2cap, take_snapshot=0)
      -> (error, where, heads, (rec_lo, rec_n, tim_lo, tim_n), (live_rec_head, live_tim_head), kept)
 
    fns: (cuEventSynchronize, cuEventRecord, cuMemcpyDtoHAsync_v2) addresses. snap_event: the event after
@@ -176,17 +176,19 @@ static int copy_window(memcpy_dtoh_async_fn memcpy_async, RingWindow *w, void *s
    tim_ring: (device ring, pinned staging, tail, capacity). Copies both windows to staging and the live
    state words (8 of them) to live_host on `stream`, waits on copy_event, and keeps the intact block
    records of positions >= max(rec_lo, live_rec_head - capacity) (`kept`, a Records, or None when no
-   block record was new; the timing window is left in its staging memory for the caller). `error` is the
+   block record was new; the timing window is left in its staging memory for the caller). take_snapshot:
+   first copy the state words to snap_host on `stream` and record snap_event there (a drain the thread
+   times itself: the heads of the last step the device has started, not a point the host picked). `error` is the
    CUresult of the first call that failed (0: none) and `where` says which step; `heads` (rec, tim) is
    None when the snapshot could not be read. */
 static PyObject *drain_device(PyObject *mod, PyObject *args) {
     unsigned long long f_sync, f_record, f_copy, snap_event, snap_host, state, live_host, stream, copy_event;
-    int head_word[2], live_word[2], log2cap;
+    int head_word[2], live_word[2], log2cap, take_snapshot = 0;
     RingWindow w[2] = {{0}};
-    if (!PyArg_ParseTuple(args, "(KKK)KK(ii)(ii)(KKLL)(KKLL)KKKKi", &f_sync, &f_record, &f_copy, &snap_event,
+    if (!PyArg_ParseTuple(args, "(KKK)KK(ii)(ii)(KKLL)(KKLL)KKKKi|p", &f_sync, &f_record, &f_copy, &snap_event,
                           &snap_host, &head_word[0], &head_word[1], &live_word[0], &live_word[1], &w[0].dev, &w[0].stage, &w[0].tail,
                           &w[0].cap, &w[1].dev, &w[1].stage, &w[1].tail, &w[1].cap, &state, &live_host,
-                          &stream, &copy_event, &log2cap))
+                          &stream, &copy_event, &log2cap, &take_snapshot))
         return NULL;
     for (int i = 0; i < 2; i++) {
         if (w[i].cap < 2 || (w[i].cap & (w[i].cap - 1)) || head_word[i] < 0 || head_word[i] > 7
@@ -204,9 +206,15 @@ static PyObject *drain_device(PyObject *mod, PyObject *args) {
     char *kept = NULL;
     Py_ssize_t nkept = 0;
     Py_BEGIN_ALLOW_THREADS
-    rc = sync((void *)(uintptr_t)snap_event);
+    if (take_snapshot) {
+        rc = copy((void *)(uintptr_t)snap_host, state, 8 * sizeof(long long), (void *)(uintptr_t)stream);
+        if (rc == 0)
+            rc = record((void *)(uintptr_t)snap_event, (void *)(uintptr_t)stream);
+    }
+    if (rc == 0)
+        rc = sync((void *)(uintptr_t)snap_event);
     if (rc) {
-        where = "waiting for the snapshot";
+        where = take_snapshot ? "taking the snapshot" : "waiting for the snapshot";
     } else {
         const long long *snap = (const long long *)(uintptr_t)snap_host;
         w[0].head = snap[head_word[0]];
@@ -257,7 +265,54 @@ static PyObject *drain_device(PyObject *mod, PyObject *args) {
                          records);
 }
 
+/* ---- kernel launches that keep the GIL ---------------------------------------------------------------- */
+
+/* cuLaunchKernel, set once by set_launcher (an address ctypes read from the libcuda torch loaded). */
+typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                         unsigned smem, void *stream, void **params, void **extra);
+static launch_fn cu_launch = NULL;
+
+static PyObject *set_launcher(PyObject *mod, PyObject *arg) {
+    unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    cu_launch = (launch_fn)(uintptr_t)addr;
+    Py_RETURN_NONE;
+}
+
+/* launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra): CuPy's driver.launchKernel, but the GIL
+   is kept. The launch is a few microseconds of the driver's; letting the GIL go around it, as CuPy does,
+   lets any thread waiting for the GIL (a drain, the shard writer, vLLM's own) run first, and the engine's
+   thread then waits for it to give the GIL back. */
+static PyObject *launch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long v[11];
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "launch takes 11 integers (CuPy's launchKernel arguments)");
+        return NULL;
+    }
+    if (cu_launch == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "launch: set_launcher was not called");
+        return NULL;
+    }
+    for (int i = 0; i < 11; i++) {
+        v[i] = PyLong_AsUnsignedLongLong(args[i]);
+        if (v[i] == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+    }
+    int rc = cu_launch((void *)(uintptr_t)v[0], (unsigned)v[1], (unsigned)v[2], (unsigned)v[3], (unsigned)v[4],
+                       (unsigned)v[5], (unsigned)v[6], (unsigned)v[7], (void *)(uintptr_t)v[8],
+                       (void **)(uintptr_t)v[9], (void **)(uintptr_t)v[10]);
+    if (rc) {
+        PyErr_Format(PyExc_RuntimeError, "cuLaunchKernel failed: CUresult %d", rc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"set_launcher", set_launcher, METH_O, "set_launcher(address of cuLaunchKernel): what launch calls."},
+    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
+     "launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra): cuLaunchKernel with the GIL kept."},
     {"keep_intact", keep_intact, METH_VARARGS,
      "keep_intact(records, first_pos, log2cap) -> Records: the records (32 bytes each, stored at ring "
      "positions first_pos..) whose lap tag is their position's, in memory of their own; without the GIL."},

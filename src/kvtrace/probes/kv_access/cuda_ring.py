@@ -4,24 +4,28 @@ The API and the record semantics are those of `probes/kv_access/ring.py` (read i
 only adds the device side. Importing it needs neither CuPy nor a GPU: CuPy is imported when a ring is made.
 
 Hot path (inference thread), per call:
-  - `record_layer`: one `kv_record` launch through `cupy.cuda.driver.launchKernel` with a prebuilt ctypes
-    argument struct (rebuilt only when the layer's tensors, shapes or decision change) on the raw pointer of
-    PyTorch's current stream. No CuPy array, no DLPack, no allocation, no sync. While a CUDA graph is
-    captured with overlap=True (not the default) the launch goes to a side stream forked from the current
-    one and joined at the next layer, so the replayed kernel runs beside attention rather than between two
-    kernels.
+  - `record_layer`: one `kv_record` launch with a prebuilt ctypes argument struct (rebuilt only when the
+    layer's tensors, shapes or decision change) on the raw pointer of PyTorch's current stream. No CuPy
+    array, no DLPack, no allocation, no sync. While a CUDA graph is captured with overlap=True (not the
+    default) the launch goes to a side stream forked from the current one and joined at the next layer, so
+    the replayed kernel runs beside attention rather than between two kernels.
   - `begin_step`: one 1-thread `kv_set_state` launch (step id and sampling flag into device memory, head
-    snapshot), then `drain` when due (`_drain_due`: every 100 ms, or sooner when the ring may be a quarter
-    full): an event on the inference stream, a 64-byte copy of the snapshot into pinned memory on a side
-    stream that waits for that event, a queue put.
-Background thread: waits for the snapshot copy (asleep, without the GIL: `_wait`), copies the records
-between the last drained position and the snapshot into pinned staging on a copy stream, reads the live head
-again to find records overwritten meanwhile, keeps the intact block records and hands them to the recorder
-packed (timing records decoded); every `anchor_interval_s` it takes a clock anchor (a 1-thread kernel
-reading %globaltimer on a high-priority side stream, best of 5 round trips). Where `_drain.c` is built, one
-native call does a drain's waits, copies and lap check without the GIL (`_drain_native`): each time the
-thread takes the GIL back the engine's thread stops for two thread wake-ups, and the Python path
-(`_drain_to`) took it back a dozen times a drain.
+    snapshot), nothing else: the drains are the background thread's.
+Launches go through `_drain.c`'s `launch`, which keeps the GIL (CuPy's `driver.launchKernel`, used where the
+module is not built, lets it go, and the engine's thread then waits for whichever thread took it). Whether a
+CUDA graph is being captured is asked of CUDA only while torch.cuda.CUDAGraph has a capture open
+(`_install_capture_hooks` counts them): under a busy engine the query cost ~12 us a call.
+Background thread: drains every 100 ms, or sooner when the records per second of the last drains would fill
+a quarter of either ring first (`_learn_rate`). A drain copies the state words (the snapshot of the heads
+the last `kv_set_state` took) into pinned memory on a copy stream and waits for it (asleep, without the GIL:
+`_wait`), copies the records between the last drained position and the snapshot into pinned staging, reads
+the live head again to find records overwritten meanwhile, keeps the intact block records and hands them to
+the recorder packed (timing records decoded); every `anchor_interval_s` it takes a clock anchor (a 1-thread
+kernel reading %globaltimer on a high-priority side stream, best of 5 round trips). An explicit `drain()`
+(`flush`, tests) instead snapshots at the caller's point of the inference stream (an event, then the copy on
+a side stream) and queues it. Where `_drain.c` is built, one native call does a drain's waits, copies and
+lap check without the GIL (`_drain_native`): each time the thread takes the GIL back the engine's thread
+stops for two thread wake-ups, and the Python path (`_drain_to`) took it back a dozen times a drain.
 
 The kernels are in `cuda_ring_kernels.cu` next to this file (package data: `*.cu`).
 """
@@ -160,7 +164,8 @@ class CudaKVAccessRing(KVAccessRing):
             self._state = torch.zeros(STATE_WORDS, dtype=torch.int64, device=self.device)
             self._timer = torch.zeros(1, dtype=torch.int64, device=self.device)
             pin = {"pin_memory": True}
-            self._snap_host = torch.zeros((NSNAP, SNAP_WORDS), dtype=torch.int64, **pin)
+            # NSNAP slots for explicit drains, and one more for the background thread's timed drains
+            self._snap_host = torch.zeros((NSNAP + 1, SNAP_WORDS), dtype=torch.int64, **pin)
             self._live_host = torch.zeros(LIVE_WORDS, dtype=torch.int64, **pin)
             self._stage = torch.empty(self.capacity * 8, dtype=torch.int32, **pin)
             self._tstage = torch.empty(self.timing_capacity * 8, dtype=torch.int32, **pin)
@@ -170,7 +175,7 @@ class CudaKVAccessRing(KVAccessRing):
             self._anchor_stream = torch.cuda.Stream(self.device, priority=-1)
             self._snap_events = [torch.cuda.Event() for _ in range(NSNAP)]
             # The drain thread waits on these two kinds (`_wait`): blocking sync, so that it sleeps.
-            self._done_events = [torch.cuda.Event(blocking=True) for _ in range(NSNAP)]
+            self._done_events = [torch.cuda.Event(blocking=True) for _ in range(NSNAP + 1)]
             self._copy_event = torch.cuda.Event(blocking=True)
             self._anchor_event = torch.cuda.Event()
             self._side_stream = torch.cuda.Stream(self.device)  # overlap mode: record kernels in graphs
@@ -191,8 +196,8 @@ class CudaKVAccessRing(KVAccessRing):
         self._side_ptr = self._side_stream.cuda_stream
         self._fork_ev, self._join_ev = self._fork_event.cuda_event, self._join_event.cuda_event
         self._fork_pending = False  # a record kernel forked onto the side stream during a capture, unjoined
+        self._capture_hooked = _install_capture_hooks()
         if self.overlap:
-            _install_capture_join()
             _OVERLAP_RINGS.add(self)
 
         # The drain in C where it is built and the driver's functions are found (`_drain_native`); the
@@ -200,6 +205,8 @@ class CudaKVAccessRing(KVAccessRing):
         self._native = ring_module.native_drain  # the module, as this ring was made (tests switch it)
         self._cu_fns = _driver_functions() if self._native is not None else None
         self.native_drain = self._cu_fns is not None
+        self._cupy_launch = self._launch_kernel
+        self.native_launch = self._cu_fns is not None and hasattr(self._native, "launch")
         # NumPy views of the pinned memory the drain reads, made once: torch's indexing and NumPy's view
         # of a structured dtype cost the drain thread tens of microseconds under the GIL each time
         self._snap_np = self._snap_host.numpy()
@@ -221,20 +228,24 @@ class CudaKVAccessRing(KVAccessRing):
         self._anchors: list[tuple[int, int]] = []  # (device_ns, monotonic_ns)
         self._fit = (0, 0, 1.0)                    # (device ref, host ref, host ns per device ns)
         self._queue: queue.Queue = queue.Queue()
-        self._steps_since_drain, self._drain_steps, self._drained_at = 0, 1, time.monotonic()
-        self._rate_mark: tuple[int, int, int] | None = None  # (step, head, timing head) at the last drain
+        self._fill_s = self.FIRST_DRAIN_S  # seconds the last drains' rate takes to fill a quarter of a ring
+        self._rate_mark: tuple[float, int, int] | None = None  # (monotonic s, head, timing head) at the last drain
         self._thread: threading.Thread | None = None
         self._warned_capture = False
         self._take_anchor()
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # ---- hot path ----------------------------------------------------------------------------------------
-    def _capturing(self) -> bool:  # ~1 us; asked only off the common path
+    def _capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (CUDA's answer: ~1 us idle, ~12 us a call
+        under a busy engine)."""
         return self._torch.cuda.is_current_stream_capturing()
 
     def begin_step(self, step: int, record: bool = True) -> None:
         self._set_step(step, record)
-        if self._capturing():
+        # CUDA is asked only while torch.cuda.CUDAGraph has a capture open (or where its captures could
+        # not be counted): vLLM captures through it, and never calls begin_step then
+        if (_CAPTURES[0] or not self._capture_hooked) and self._capturing():
             if not self._warned_capture:
                 self._warned_capture = True
                 self._warn("KVAccessRing.begin_step called during CUDA graph capture: ignored (it would "
@@ -244,32 +255,42 @@ class CudaKVAccessRing(KVAccessRing):
         a.step, a.active, a.set = self.step, int(self.active), 1
         self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
                             self._state_launch.params_addr, 0)
-        if self.auto_drain and self._drain_due():
-            self.drain()
+        if self._thread is None and self.auto_drain:
+            self._start_thread()
 
-    # Drain when this long has passed since the last drain, or sooner when the ring may fill: the device
-    # head is unknown on the host without a sync, so the background thread estimates records per step
-    # from each drain it makes and sets how many steps fill a quarter of either ring (`_drain_steps`, 1
-    # until the first drain says). Each drain has a fixed cost on both threads (copies, a record batch,
-    # GIL hand-overs), which a fast small model draining every step pays ~100 times a second. On an H100
-    # the 1B shape's head-to-head with draining every step was within the benchmark's noise
-    # (docs/performance.md); {"kv_drain_interval_s": 0} in the recorder options drains every step.
+    @property
+    def native_launch(self) -> bool:
+        """True: kernels are launched through `_drain.c` with the GIL kept; False: through CuPy (benchmarks
+        compare them: {"kv_native_launch": false} in the recorder options)."""
+        return self._launch_kernel is not self._cupy_launch
+
+    @native_launch.setter
+    def native_launch(self, on: bool) -> None:
+        if on and self._cu_fns is not None and hasattr(self._native, "launch"):
+            self._native.set_launcher(self._cu_fns[3])
+            self._launch_kernel = self._native.launch
+        else:
+            self._launch_kernel = self._cupy_launch
+
+    # The background thread drains when this long has passed since its last drain, or sooner when the
+    # records per second of the last two drains would fill a quarter of either ring first (the device head
+    # is unknown on the host without a copy). Each drain has a fixed cost (copies, a record batch, GIL
+    # hand-overs): a fast small model draining every step would pay it ~100 times a second.
+    # {"kv_drain_interval_s": S} in the recorder options sets DRAIN_EVERY_S (at least MIN_DRAIN_S).
     DRAIN_EVERY_S = 0.1
+    MIN_DRAIN_S = 0.001
+    FIRST_DRAIN_S = 0.01  # until two drains have measured a rate
 
-    def _drain_due(self) -> bool:
-        self._steps_since_drain += 1
-        return (self._steps_since_drain >= self._drain_steps
-                or time.monotonic() - self._drained_at >= self.DRAIN_EVERY_S)
+    def _drain_interval_s(self) -> float:
+        return max(self.MIN_DRAIN_S, min(self.DRAIN_EVERY_S, self._fill_s))
 
-    def _learn_rate(self, snap: Any, heads: tuple[int, int]) -> None:
-        """Steps that fill a quarter of the record or timing ring at the rate of the last drain."""
-        step = int(snap[ST_STEP])
-        prev, self._rate_mark = self._rate_mark, (step, *heads)
-        if prev is None or step <= prev[0]:
+    def _learn_rate(self, heads: tuple[int, int], now: float) -> None:
+        """Seconds that fill a quarter of the record or timing ring at the rate since the last drain."""
+        prev, self._rate_mark = self._rate_mark, (now, *heads)
+        if prev is None or now <= prev[0]:
             return
-        steps = step - prev[0]
-        per_step = max((heads[0] - prev[1]) / (self.capacity // 4), (heads[1] - prev[2]) / (self.timing_capacity // 4))
-        self._drain_steps = max(1, min(1 << 20, int(steps / per_step))) if per_step > 0 else 1 << 20
+        quarters = max((heads[0] - prev[1]) / (self.capacity // 4), (heads[1] - prev[2]) / (self.timing_capacity // 4))
+        self._fill_s = (now - prev[0]) / quarters if quarters > 0 else float("inf")
 
     def record_layer(self, layer_idx: int, slot_mapping, block_table, seq_lens, query_start_loc=None) -> None:
         capturing = None
@@ -379,7 +400,6 @@ class CudaKVAccessRing(KVAccessRing):
         if self.closed or self._capturing():
             return
         self._start_thread()
-        self._steps_since_drain, self._drained_at = 0, time.monotonic()
         slot = self._snapshot()
         self._queue.put(("snap", slot, self._done_events[slot], _ack))
 
@@ -455,10 +475,12 @@ class CudaKVAccessRing(KVAccessRing):
     def _run(self) -> None:
         self._torch.cuda.set_device(self.index)  # makes the primary context current for CuPy launches
         _relax_capture_mode()
-        next_anchor = time.monotonic() + self.anchor_interval_s
+        now = time.monotonic()
+        next_anchor = now + self.anchor_interval_s
+        next_drain = now + self._drain_interval_s() if self.auto_drain else float("inf")
         while True:
             try:
-                items = [self._queue.get(timeout=max(0.01, next_anchor - time.monotonic()))]
+                items = [self._queue.get(timeout=max(0.0005, min(next_anchor, next_drain) - time.monotonic()))]
             except queue.Empty:
                 items = []
             while True:  # take everything queued: only the newest snapshot matters
@@ -467,27 +489,33 @@ class CudaKVAccessRing(KVAccessRing):
                 except queue.Empty:
                     break
             snaps = [it for it in items if it[0] == "snap"]
+            timed = not snaps and not self.closed and time.monotonic() >= next_drain
             heads = None
             try:
-                if snaps:
-                    _, slot, done, _ = snaps[-1]
+                if snaps or timed:
+                    # an explicit drain's snapshot slot, or the thread's own (a snapshot taken now)
+                    slot = snaps[-1][1] if snaps else NSNAP
                     t0 = time.perf_counter()
                     native = self.native_drain and self._cu_fns is not None  # (the owner may set it True)
                     self.stats["native_drain"] = native  # proc.json: which drain ran
                     if native:
-                        drained = self._drain_native(slot)
+                        drained = self._drain_native(slot, take_snapshot=timed)
                         heads = drained[2]
-                        self._learn_rate(self._snap_np[slot], heads)
+                        self._learn_rate(heads, time.monotonic())
                         self._emit_native(drained)
                     else:
-                        self._wait(done)
+                        if timed:
+                            self._snapshot_now(slot)
+                        self._wait(self._done_events[slot])
                         snap = self._snap_np[slot]
                         heads = int(snap[ST_SNAP_REC]), int(snap[ST_SNAP_TIM])
-                        self._learn_rate(snap, heads)
+                        self._learn_rate(heads, time.monotonic())
                         t0 = time.perf_counter()
                         self._drain_to(*heads)
                     self.stats["drain_s"] += time.perf_counter() - t0
                     self.stats["drains"] = self.stats.get("drains", 0) + 1
+                    if self.auto_drain:
+                        next_drain = time.monotonic() + self._drain_interval_s()
                 if time.monotonic() >= next_anchor:
                     self._take_anchor()
                     next_anchor = time.monotonic() + self.anchor_interval_s
@@ -513,14 +541,26 @@ class CudaKVAccessRing(KVAccessRing):
                 self.recorder.count_drop(table, n * (self._drop_units if table == "kv_access" else 1), cause)
                 setattr(self, attr, hd)
 
-    def _drain_native(self, slot: int) -> tuple:
-        """What `_wait` of the snapshot and `_drain_to` do, in one native call without the GIL (_drain.c):
-        (error, where, heads, (lo, n, timing lo, timing n), live heads, kept block records)."""
+    def _snapshot_now(self, slot: int) -> None:
+        """The background thread's snapshot (the Python drain's; the native drain takes it itself): the
+        state words as the device has them now, copied into `slot` on the copy stream, its done event
+        recorded after. The snapshot words were set by the last `kv_set_state` that ran, after every kernel
+        before it on the inference stream had finished: every record below them is complete."""
+        rt, stream = self._rt, self._native_ptrs[5]
+        rt.memcpyAsync(self._snap_host_ptr + slot * SNAP_WORDS * 8, self._state_ptr, SNAP_WORDS * 8,
+                       rt.memcpyDeviceToHost, stream)
+        rt.eventRecord(self._done_ev[slot], stream)
+
+    def _drain_native(self, slot: int, take_snapshot: bool = False) -> tuple:
+        """What `_wait` of the snapshot (or, with take_snapshot, `_snapshot_now` and the wait) and
+        `_drain_to` do, in one native call without the GIL (_drain.c): (error, where, heads, (lo, n, timing
+        lo, timing n), live heads, kept block records)."""
         ring, stage, tring, tstage, live, stream, event = self._native_ptrs
         drained = self._native.drain_device(
-            self._cu_fns, self._done_ev[slot], self._snap_host_ptr + slot * SNAP_WORDS * 8,
+            self._cu_fns[:3], self._done_ev[slot], self._snap_host_ptr + slot * SNAP_WORDS * 8,
             (ST_SNAP_REC, ST_SNAP_TIM), (ST_REC_HEAD, ST_TIM_HEAD), (ring, stage, self._tail, self.capacity),
-            (tring, tstage, self._ttail, self.timing_capacity), self._state_ptr, live, stream, event, self.log2cap)
+            (tring, tstage, self._ttail, self.timing_capacity), self._state_ptr, live, stream, event, self.log2cap,
+            take_snapshot)
         if drained[2] is None:  # the snapshot was not read: nothing known to count
             raise RuntimeError(f"CUDA error {drained[0]} {drained[1]}")
         return drained
@@ -623,13 +663,14 @@ def _close_at_exit(ref: weakref.ref) -> None:
         ring.close()
 
 
-def _driver_functions() -> tuple[int, int, int] | None:
-    """Addresses of cuEventSynchronize, cuEventRecord and cuMemcpyDtoHAsync_v2 in the CUDA driver torch
-    loaded, for the native drain; None where they cannot be read (the Python drain is used)."""
+def _driver_functions() -> tuple[int, int, int, int] | None:
+    """Addresses of cuEventSynchronize, cuEventRecord, cuMemcpyDtoHAsync_v2 (the native drain) and
+    cuLaunchKernel (the native launch) in the CUDA driver torch loaded; None where they cannot be read
+    (the Python drain and CuPy's launch are used)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                     for name in ("cuEventSynchronize", "cuEventRecord", "cuMemcpyDtoHAsync_v2"))
+                     for name in ("cuEventSynchronize", "cuEventRecord", "cuMemcpyDtoHAsync_v2", "cuLaunchKernel"))
     except (OSError, AttributeError):
         return None
 
@@ -662,28 +703,41 @@ def empty_kernel_launcher(device_index: int):
 
 
 _OVERLAP_RINGS: weakref.WeakSet = weakref.WeakSet()
+_CAPTURES = [0]  # CUDA graph captures open through torch.cuda.CUDAGraph, in this process
 
 
-def _install_capture_join() -> None:
-    """Wrap torch.cuda.CUDAGraph.capture_end (once) so that every overlap ring joins its last forked record
-    kernel into the capture stream before the capture ends (an unjoined fork fails the capture), and
-    capture_begin so that a fork from an aborted capture is forgotten."""
+def _install_capture_hooks() -> bool:
+    """Wrap torch.cuda.CUDAGraph.capture_begin and capture_end (once): count the captures open
+    (`_CAPTURES`, so that `begin_step` asks CUDA only while one is), make every overlap ring join its last
+    forked record kernel into the capture stream before the capture ends (an unjoined fork fails the
+    capture), and forget a fork left by an aborted capture. False where they cannot be wrapped."""
     import torch
 
-    cls = torch.cuda.CUDAGraph
+    cls = getattr(torch.cuda, "CUDAGraph", None)
+    if cls is None or not hasattr(cls, "capture_begin") or not hasattr(cls, "capture_end"):
+        return False
     if getattr(cls.capture_end, "_kvtrace_joins", False):
-        return
+        return True
     orig_begin, orig_end = cls.capture_begin, cls.capture_end
 
     def capture_begin(self, *args, **kwargs):
         for ring in list(_OVERLAP_RINGS):  # a fork left by an aborted capture must not be joined into this one
             ring._fork_pending = False
-        return orig_begin(self, *args, **kwargs)
+        _CAPTURES[0] += 1  # before the capture starts: a begin_step racing it asks CUDA
+        try:
+            return orig_begin(self, *args, **kwargs)
+        except BaseException:
+            _CAPTURES[0] -= 1
+            raise
 
     def capture_end(self, *args, **kwargs):
-        for ring in list(_OVERLAP_RINGS):
-            ring.join()
-        return orig_end(self, *args, **kwargs)
+        try:
+            for ring in list(_OVERLAP_RINGS):
+                ring.join()
+            return orig_end(self, *args, **kwargs)
+        finally:
+            _CAPTURES[0] = max(0, _CAPTURES[0] - 1)
 
     capture_begin._kvtrace_joins = capture_end._kvtrace_joins = True
     cls.capture_begin, cls.capture_end = capture_begin, capture_end
+    return True

@@ -27,9 +27,10 @@ needed). Arguments:
                    per-row Python tuples. None: the process's `get_recorder()`; if that is None too,
                    rows are decoded, counted in `stats` and discarded (`NullRecorder`).
   timing_capacity  timing records the device keeps between drains (power of two).
-  auto_drain       `begin_step` drains by itself, every 100 ms or when a ring may be a quarter full (a drain
-                   has a fixed cost per call); the GPU ring's drain is an asynchronous copy, and the host
-                   estimates its fill from the records per step of earlier drains.
+  auto_drain       drained without `drain()` calls, every 100 ms or sooner when a ring may be a quarter full (a
+                   drain has a fixed cost per call): by `begin_step` on the CPU; on the GPU by the ring's
+                   background thread (started by the first `begin_step`), which estimates the fill from
+                   the records per second of its last drains, off the engine's thread.
   share_layers     with layers "all" (default True): a layer that reads the block table an earlier layer
                    of the same forward pass read (the layers of one KV-cache group read the same blocks)
                    writes only its timing row; its block records are the earlier layer's, and the
@@ -50,7 +51,7 @@ needed). Arguments:
         Call once per engine step, before the forward pass (and before `graph.replay()`), on the inference
         stream, never while a CUDA graph is being captured. Sets the step id in device memory (a tiny
         kernel: nothing per-step is frozen into a captured graph), decides sampling, snapshots the ring
-        head (everything recorded before this call becomes drainable), and drains if `auto_drain`.
+        head (everything recorded before this call becomes drainable); CPU: drains when due (`auto_drain`).
     ring.record_layer(layer_idx: int, slot_mapping, block_table, seq_lens, query_start_loc=None) -> None
         Call once per attention layer per forward pass (eagerly, or while capturing a CUDA graph: the
         launch is captured and replays read the step from device memory). Tensors as vLLM's attention
@@ -65,9 +66,9 @@ needed). Arguments:
         read). `slot` = the request's row; a token outside every request (padding) has slot -1.
         GPU: no host sync, nothing allocated; one kernel launch.
     ring.drain() -> None
-        GPU: non-blocking. Copies the records up to the last `begin_step` snapshot to pinned host memory on a
-        side stream ordered by an event, decodes them on a background thread and appends the rows to the
-        recorder. CPU: decodes synchronously. Records overwritten before they were copied (ring wrapped) are
+        GPU: non-blocking. Copies the records up to the last `begin_step` snapshot before this point of the
+        inference stream to pinned host memory on a side stream ordered by an event, decodes them on a background thread and appends the rows to
+        the recorder (with `auto_drain` that thread also drains by itself). CPU: decodes synchronously. Records overwritten before they were copied (ring wrapped) are
         counted exactly: `recorder.count_drop("kv_access" | "layer_timings", n, "ring-wrap")`.
     ring.flush(timeout_s: float = 30.0) -> None
         Snapshot now, drain, and wait until every recorded row reached the recorder (tests, shutdown).

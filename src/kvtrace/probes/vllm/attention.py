@@ -338,12 +338,17 @@ class AttentionProbe(Probe):
                          # ingest; {"kv_share_layers": false} records every layer's own
                          share_layers=bool(self.options.get("kv_share_layers", True)))
         if "kv_drain_interval_s" in self.options and hasattr(ring, "DRAIN_EVERY_S"):
-            # CUDA ring, experts and benchmarks: {"kv_drain_interval_s": 0} drains every step
+            # CUDA ring, experts and benchmarks: the background thread's longest wait between drains
+            # (it drains sooner when the ring may fill; once a millisecond at most)
             ring.DRAIN_EVERY_S = float(self.options["kv_drain_interval_s"])
         if "kv_native_drain" in self.options and hasattr(ring, "native_drain"):
             # CUDA ring, benchmarks: {"kv_native_drain": false} drains through torch and NumPy instead of
             # _drain.c (its GIL hand-overs are what the native drain saves)
             ring.native_drain = bool(self.options["kv_native_drain"])
+        if "kv_native_launch" in self.options and hasattr(ring, "native_launch"):
+            # CUDA ring, benchmarks: {"kv_native_launch": false} launches through CuPy, which lets the GIL
+            # go around each launch, instead of _drain.c's launch, which keeps it
+            ring.native_launch = bool(self.options["kv_native_launch"])
         return ring
 
     def take(self) -> None:
