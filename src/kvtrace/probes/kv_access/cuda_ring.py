@@ -11,8 +11,10 @@ Hot path (inference thread), per call:
     the replayed kernel runs beside attention rather than between two kernels.
   - `begin_step`: one 1-thread `kv_set_state` launch (step id and sampling flag into device memory, head
     snapshot), nothing else: the drains are the background thread's.
-Launches go through `_drain.c`'s `launch`, which keeps the GIL (CuPy's `driver.launchKernel`, used where the
-module is not built, lets it go, and the engine's thread then waits for whichever thread took it). Whether a
+The engine thread's launches go through `_drain.c`'s `launch`, which keeps the GIL (CuPy's
+`driver.launchKernel`, used where the module is not built, lets it go, and the engine's thread then waits for
+whichever thread took it); other threads' (the clock anchors, `flush`) go through CuPy's, since a launch can
+wait in the driver and, the GIL kept, would stop every thread meanwhile. Whether a
 CUDA graph is being captured is asked of CUDA only while torch.cuda.CUDAGraph has a capture open
 (`_install_capture_hooks` counts them): under a busy engine the query cost ~12 us a call.
 Background thread: drains every 100 ms, or sooner when the records per second of the last drains would fill
@@ -428,8 +430,10 @@ class CudaKVAccessRing(KVAccessRing):
         with self._torch.cuda.device(self.index):
             a = self._state_args
             a.set = 0  # snapshot only: the heads as of now, on the inference stream
-            self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
-                                self._state_launch.params_addr, 0)
+            # CuPy's launch (the GIL let go): a flush may run on any thread (shutdown, atexit), off the
+            # hot path, and must not stop the others should the launch wait in the driver
+            self._cupy_launch(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
+                              self._state_launch.params_addr, 0)
             ack = threading.Event()
             self.drain(_ack=ack)
         if not ack.wait(timeout_s):
@@ -629,8 +633,11 @@ class CudaKVAccessRing(KVAccessRing):
         for _ in range(ANCHOR_TRIES):
             m0, u0 = time.monotonic_ns(), time.time_ns()
             with torch.cuda.stream(self._anchor_stream):
-                self._launch_kernel(self._f_timer, 1, 1, 1, 32, 1, 1, 0, self._anchor_stream.cuda_stream,
-                                    ctypes.addressof(self._timer_params), 0)
+                # CuPy's launch, which lets the GIL go: this runs on the background thread, and a launch
+                # can wait in the driver (40 ms once, beside a prefill-heavy engine on an H100), which with
+                # the GIL kept would stop every thread of the process
+                self._cupy_launch(self._f_timer, 1, 1, 1, 32, 1, 1, 0, self._anchor_stream.cuda_stream,
+                                  ctypes.addressof(self._timer_params), 0)
                 self._timer_host.copy_(self._timer, non_blocking=True)
                 self._anchor_event.record(self._anchor_stream)
             self._anchor_event.synchronize()  # side stream only; a few microseconds
