@@ -411,13 +411,19 @@ class CudaKVAccessRing(KVAccessRing):
         rt, side = self._rt, self._snap_stream_ptr
         slot = self._snap_count % NSNAP
         self._snap_count += 1
-        ev, done = self._snap_ev[slot], self._done_ev[slot]
+        ev = self._snap_ev[slot]
         rt.eventRecord(ev, self._current_stream())  # everything up to here on the inference stream
         rt.streamWaitEvent(side, ev, 0)
-        rt.memcpyAsync(self._snap_host_ptr + slot * SNAP_WORDS * 8, self._state_ptr, SNAP_WORDS * 8,
-                       rt.memcpyDeviceToHost, side)  # pinned destination: asynchronous
-        rt.eventRecord(done, side)
+        self._copy_state(slot, side)
         return slot
+
+    def _copy_state(self, slot: int, stream: int) -> None:
+        """Copy the state words into pinned snapshot `slot` on `stream` (pinned destination: asynchronous)
+        and record the slot's done event after the copy."""
+        rt = self._rt
+        rt.memcpyAsync(self._snap_host_ptr + slot * SNAP_WORDS * 8, self._state_ptr, SNAP_WORDS * 8,
+                       rt.memcpyDeviceToHost, stream)
+        rt.eventRecord(self._done_ev[slot], stream)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         if self.closed:
@@ -509,7 +515,9 @@ class CudaKVAccessRing(KVAccessRing):
                         self._emit_native(drained)
                     else:
                         if timed:
-                            self._snapshot_now(slot)
+                            # the state words as the device has them now: set by the last kv_set_state
+                            # that ran, after every kernel before it had finished (all below is complete)
+                            self._copy_state(slot, self._copy_stream.cuda_stream)
                         self._wait(self._done_events[slot])
                         snap = self._snap_np[slot]
                         heads = int(snap[ST_SNAP_REC]), int(snap[ST_SNAP_TIM])
@@ -545,18 +553,8 @@ class CudaKVAccessRing(KVAccessRing):
                 self.recorder.count_drop(table, n * (self._drop_units if table == "kv_access" else 1), cause)
                 setattr(self, attr, hd)
 
-    def _snapshot_now(self, slot: int) -> None:
-        """The background thread's snapshot (the Python drain's; the native drain takes it itself): the
-        state words as the device has them now, copied into `slot` on the copy stream, its done event
-        recorded after. The snapshot words were set by the last `kv_set_state` that ran, after every kernel
-        before it on the inference stream had finished: every record below them is complete."""
-        rt, stream = self._rt, self._native_ptrs[5]
-        rt.memcpyAsync(self._snap_host_ptr + slot * SNAP_WORDS * 8, self._state_ptr, SNAP_WORDS * 8,
-                       rt.memcpyDeviceToHost, stream)
-        rt.eventRecord(self._done_ev[slot], stream)
-
     def _drain_native(self, slot: int, take_snapshot: bool = False) -> tuple:
-        """What `_wait` of the snapshot (or, with take_snapshot, `_snapshot_now` and the wait) and
+        """What `_wait` of the snapshot (or, with take_snapshot, `_copy_state` on the copy stream and the wait) and
         `_drain_to` do, in one native call without the GIL (_drain.c): (error, where, heads, (lo, n, timing
         lo, timing n), live heads, kept block records)."""
         ring, stage, tring, tstage, live, stream, event = self._native_ptrs
