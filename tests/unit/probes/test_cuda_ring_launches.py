@@ -1,6 +1,7 @@
 """The device ring's launch arguments, built on the host (no GPU needed: CPU tensors stand in for the
-device's, and the ring for its host side). In an eager forward pass every layer gets the same metadata
-tensors: they are checked once per set, and each layer's launch is its own all the same."""
+device's, the ring for its host side, a recording function for the driver's launch). In an eager forward
+pass every layer gets the same metadata tensors: they are read and checked once per set, and each layer's
+launch carries its own layer all the same."""
 
 from __future__ import annotations
 
@@ -15,14 +16,29 @@ from kvtrace.probes.kv_access.cuda_ring import MAX_GRID, SMEM_QSL, THREADS, WARP
 BLOCK_SIZE = 16
 
 
-def host_ring() -> CudaKVAccessRing:
-    ring = object.__new__(CudaKVAccessRing)  # the host side only: no device, no CuPy
+def host_ring() -> tuple[CudaKVAccessRing, list]:
+    """The ring's host side (no device, no CuPy) and the launches it makes: (grid, shared memory, the
+    argument struct's fields as they were at the launch)."""
+    ring = object.__new__(CudaKVAccessRing)
     ring._torch, ring.device, ring.block_size = torch, torch.device("cpu"), BLOCK_SIZE
     ring._state = torch.zeros(8, dtype=torch.int64)
     ring._ring, ring._tring = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
     ring.capacity, ring.log2cap, ring.timing_capacity, ring.log2tcap = 1 << 20, 20, 1 << 14, 14
-    ring._launches, ring._checked_key, ring._template = {}, None, None
-    return ring
+    ring._emit_launch = cuda_ring._Launch(cuda_ring._RecordArgs(), 1, SMEM_QSL * 4)
+    ring._count_launch = cuda_ring._Launch(cuda_ring._RecordArgs(), 1, 0)
+    ring._checked_key = ring._pass_tensors = None
+    ring.active, ring.overlap, ring._side_ptr, ring._f_record = True, False, -1, 1234
+    ring._current_stream = lambda: 7
+    ring._wants_blocks = lambda layer, block_table: layer == 3  # block records from layer 3 only
+    launches = []
+
+    def launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params_addr, extra):
+        assert (fn, gy, gz, bx, by, bz, stream, extra) == (1234, 1, 1, THREADS, 1, 1, 7, 0)
+        struct = ctypes.cast(ctypes.cast(params_addr, ctypes.POINTER(ctypes.c_void_p))[0],
+                             ctypes.POINTER(cuda_ring._RecordArgs)).contents
+        launches.append((gx, smem, fields(struct)))  # copied now, as cuLaunchKernel copies them
+    ring._launch_kernel = launch
+    return ring, launches
 
 
 def metadata(tokens: int, reqs: int, slot_dtype=torch.int64):
@@ -30,17 +46,12 @@ def metadata(tokens: int, reqs: int, slot_dtype=torch.int64):
             torch.full((reqs,), 100, dtype=torch.int32), torch.arange(reqs + 1, dtype=torch.int32))
 
 
-def key(emit: bool, sm, bt, sl, q) -> tuple:  # as record_layer makes it
-    return (emit, sm.data_ptr(), sm.shape[0], sm.dtype, bt.data_ptr(), bt.shape[0], bt.shape[1], bt.stride(0),
-            sl.data_ptr(), sl.shape[0], q.data_ptr())
-
-
 def fields(args) -> dict:
     return {name: getattr(args, name) for name, _ in args._fields_}
 
 
-def expected(ring, layer: int, emit: bool, sm, bt, sl, q) -> tuple[dict, int, int]:
-    """The struct, grid and shared memory of one layer's launch, field by field from the tensors."""
+def expected(ring, layer: int, emit: bool, sm, bt, sl, q) -> tuple[int, int, dict]:
+    """The grid, shared memory and struct of one layer's launch, field by field from the tensors."""
     T, R = sm.shape[0], sl.shape[0]
     read_blocks = min(-(-R // WARPS), MAX_GRID) if emit else 0
     grid = 1 + read_blocks + (min(-(-T // THREADS), MAX_GRID) if emit else 0)
@@ -49,42 +60,47 @@ def expected(ring, layer: int, emit: bool, sm, bt, sl, q) -> tuple[dict, int, in
                 bt_stride=bt.stride(0), num_tokens=T, num_reqs=R, max_blocks=bt.shape[1], block_size=BLOCK_SIZE,
                 layer=layer, emit=int(emit), sm_is_64=int(sm.dtype == torch.int64), read_blocks=read_blocks,
                 ring_mask=ring.capacity - 1, ring_log2=20, tring_mask=ring.timing_capacity - 1, tring_log2=14)
-    return args, grid, SMEM_QSL * 4 if emit else 0
+    return grid, SMEM_QSL * 4 if emit else 0, args
 
 
-def test_each_layer_gets_its_own_launch_from_one_check_per_set_of_tensors(monkeypatch):
-    ring = host_ring()
-    checks = []
+def test_each_layer_launches_its_own_arguments_from_one_check_per_set_of_tensors(monkeypatch):
+    ring, launches = host_ring()
+    checks, reads = [], []
     real = CudaKVAccessRing._checked_args
     monkeypatch.setattr(CudaKVAccessRing, "_checked_args", lambda self, *t: checks.append(1) or real(self, *t))
+    real_prepare = CudaKVAccessRing._prepare
+    monkeypatch.setattr(CudaKVAccessRing, "_prepare", lambda self, *t: reads.append(1) or real_prepare(self, *t))
     for step, (tokens, reqs, dtype) in enumerate(((300, 7, torch.int64), (9, 9, torch.int32), (5000, 256, torch.int64))):
         meta = metadata(tokens, reqs, dtype)
-        launches = [ring._prepare(layer, layer == 3, key(layer == 3, *meta), *meta) for layer in range(8)]
-        assert len(checks) == step + 1  # one check for the pass's eight layers
-        assert len({id(launch.args) for launch in launches}) == 8  # a struct each, reused from step to step
-        for layer, launch in enumerate(launches):
-            args, grid, smem = expected(ring, layer, layer == 3, *meta)
-            assert (fields(launch.args), launch.grid, launch.smem) == (args, grid, smem)
-            assert launch.key == key(layer == 3, *meta)
-            assert ctypes.cast(launch.params, ctypes.POINTER(ctypes.c_void_p))[0] == ctypes.addressof(launch.args)
-        # the same tensors again (another layer call of the pass): no new check
-        ring._prepare(0, False, key(False, *meta), *meta)
-        assert len(checks) == step + 1
+        launches.clear()
+        for layer in range(8):
+            ring.record_layer(layer, *meta)
+        assert len(checks) == len(reads) == step + 1  # the pass's eight layers: one read, one check
+        assert launches == [expected(ring, layer, layer == 3, *meta) for layer in range(8)]
+    # New tensor objects over the same memory and shapes (the next step's views of persistent buffers):
+    # read again, not checked again
+    again = tuple(t.view(t.shape) for t in meta)
+    launches.clear()
+    ring.record_layer(3, *again)
+    assert (len(reads), len(checks)) == (4, 3)
+    assert launches == [expected(ring, 3, True, *meta)]
 
 
-def test_a_new_set_of_tensors_is_checked_again():
-    ring = host_ring()
+def test_a_new_set_of_tensors_is_checked_and_a_bad_one_launches_nothing():
+    ring, launches = host_ring()
     good = metadata(64, 4)
-    ring._prepare(0, True, key(True, *good), *good)
+    ring.record_layer(0, *good)
     sm, bt, sl, q = good
     bad = (sm, bt, sl.to(torch.int64), q)  # same shapes, another seq_lens tensor of the wrong type
     with pytest.raises(TypeError, match="seq_lens must be int32"):
-        ring._prepare(1, False, key(False, *bad), *bad)
+        ring.record_layer(1, *bad)
+    with pytest.raises(TypeError, match="seq_lens must be int32"):  # checked again, not taken as read
+        ring.record_layer(2, *bad)
     short = (sm, bt, sl, torch.arange(2, dtype=torch.int32))  # a query_start_loc too short for 4 requests
     with pytest.raises(ValueError, match="query_start_loc has 2 entries for 4 requests"):
-        ring._prepare(0, True, key(True, *short), *short)
-    launch = ring._prepare(0, True, key(True, *good), *good)  # the good set still launches as it did
-    assert fields(launch.args) == expected(ring, 0, True, *good)[0]
+        ring.record_layer(3, *short)
+    ring.record_layer(3, *good)  # the good set still launches as it did
+    assert launches == [expected(ring, 0, False, *good), expected(ring, 3, True, *good)]
 
 
 def test_the_argument_struct_mirrors_the_kernel_source():

@@ -98,13 +98,13 @@ assert ctypes.sizeof(_RecordArgs) == 112 and ctypes.sizeof(_StateArgs) == 24
 class _Launch:
     """A prepared kernel launch: the argument struct and the kernelParams array pointing at it.
 
-    cuLaunchKernel copies the arguments at launch (and at capture), so one struct per layer is reused.
+    cuLaunchKernel copies the arguments at launch (and at capture), so one struct serves every layer.
     """
 
-    __slots__ = ("key", "args", "params", "params_addr", "grid", "smem")
+    __slots__ = ("args", "params", "params_addr", "grid", "smem")
 
-    def __init__(self, key: Any, args: ctypes.Structure, grid: int, smem: int = 0):
-        self.key, self.args, self.grid, self.smem = key, args, grid, smem
+    def __init__(self, args: ctypes.Structure, grid: int, smem: int = 0):
+        self.args, self.grid, self.smem = args, grid, smem
         self.params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         self.params_addr = ctypes.addressof(self.params)
 
@@ -217,14 +217,17 @@ class CudaKVAccessRing(KVAccessRing):
                              self._tstage.data_ptr(), self._live_host.data_ptr(), self._copy_stream.cuda_stream,
                              self._copy_event.cuda_event)
         self._state_args = _StateArgs(state=self._state.data_ptr())
-        self._state_launch = _Launch(None, self._state_args, 1)
+        self._state_launch = _Launch(self._state_args, 1)
         self._timer_arg = ctypes.c_uint64(self._timer.data_ptr())
         self._timer_params = (ctypes.c_void_p * 1)(ctypes.addressof(self._timer_arg))
-        self._launches: dict[int, _Launch] = {}
-        # The last set of metadata tensors checked (a launch key but its emit flag) and the arguments
-        # they give every layer
+        # The record kernel's two launches (block records with the grid they need, counts only: one block
+        # and no dynamic shared memory, less for the SM to set aside between kernels), fitted to the last
+        # set of metadata tensors checked (`_checked_key`: their pointers and shapes); `_pass_tensors`
+        # holds that set until the next one or the next step.
+        self._emit_launch = _Launch(_RecordArgs(), 1, SMEM_QSL * 4)
+        self._count_launch = _Launch(_RecordArgs(), 1, 0)
         self._checked_key: tuple | None = None
-        self._template: _RecordArgs | None = None
+        self._pass_tensors: tuple | None = None
         self._snap_count = 0
         self._tail = self._ttail = 0
         self._anchors: list[tuple[int, int]] = []  # (device_ns, monotonic_ns)
@@ -253,6 +256,7 @@ class CudaKVAccessRing(KVAccessRing):
                 self._warn("KVAccessRing.begin_step called during CUDA graph capture: ignored (it would "
                            "freeze the step id into the graph); call it before each replay instead")
             return
+        self._pass_tensors = None  # a forward pass's metadata tensors are held within that pass only
         a = self._state_args
         a.step, a.active, a.set = self.step, int(self.active), 1
         self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
@@ -301,12 +305,16 @@ class CudaKVAccessRing(KVAccessRing):
             if not capturing:
                 return  # sampled out (in a graph the kernel reads the flag from device memory instead)
         emit = self._wants_blocks(layer_idx, block_table)
-        key = (emit, slot_mapping.data_ptr(), slot_mapping.shape[0], slot_mapping.dtype, block_table.data_ptr(),
-               block_table.shape[0], block_table.shape[1], block_table.stride(0), seq_lens.data_ptr(),
-               seq_lens.shape[0], 0 if query_start_loc is None else query_start_loc.data_ptr())
-        launch = self._launches.get(layer_idx)
-        if launch is None or launch.key != key:
-            launch = self._prepare(layer_idx, emit, key, slot_mapping, block_table, seq_lens, query_start_loc)
+        # Every layer of a KV-cache group gets the same metadata tensor objects in a forward pass: only a
+        # new set is read (its pointers and shapes, ~10 of torch's attribute reads, ~20 us a layer under a
+        # busy engine); then the layer's launch is one field of a shared argument struct
+        # (cuLaunchKernel copies the arguments at each launch and capture)
+        held = self._pass_tensors
+        if (held is None or held[0] is not slot_mapping or held[1] is not block_table or held[2] is not seq_lens
+                or held[3] is not query_start_loc):
+            self._prepare(slot_mapping, block_table, seq_lens, query_start_loc)
+        launch = self._emit_launch if emit else self._count_launch
+        launch.args.layer = layer_idx
         stream = self._current_stream()
         if self.overlap and (capturing if capturing is not None else self._capturing()):
             stream = self._fork(stream)
@@ -336,29 +344,26 @@ class CudaKVAccessRing(KVAccessRing):
             self._rt.streamWaitEvent(self._current_stream(), self._join_ev, 0)
             self._fork_pending = False
 
-    def _prepare(self, layer_idx: int, emit: bool, key: tuple, slot_mapping, block_table, seq_lens,
-                 query_start_loc) -> _Launch:
-        """The layer's launch for these tensors (`key`: emit flag, then their pointers and shapes), its
-        argument struct refitted in place. The tensors are checked once per set, not per layer: in an
-        eager forward pass every layer of a KV-cache group gets the same metadata tensors, new each step,
-        and checking them (~30 of torch's attribute reads) cost more than the launch."""
-        if key[1:] != self._checked_key:
-            self._template = self._checked_args(slot_mapping, block_table, seq_lens, query_start_loc)
-            self._checked_key = key[1:]
-        template = self._template
-        # Block 0 counts and writes the timing record; with emit, then the read blocks, then the write blocks.
-        read_blocks = min(-(-template.num_reqs // WARPS), MAX_GRID) if emit else 0
-        grid = 1 + read_blocks + (min(-(-template.num_tokens // THREADS), MAX_GRID) if emit else 0)
-        launch = self._launches.get(layer_idx)
-        if launch is None:
-            launch = self._launches[layer_idx] = _Launch(key, _RecordArgs(), grid)
-        # cuLaunchKernel copies the arguments at each launch and capture: the struct is reused
-        args = launch.args
-        ctypes.memmove(ctypes.addressof(args), ctypes.addressof(template), ctypes.sizeof(_RecordArgs))
-        args.layer, args.emit, args.read_blocks = layer_idx, int(emit), read_blocks
-        # Count-only launches get no dynamic shared memory: less for the SM to set aside between kernels.
-        launch.key, launch.grid, launch.smem = key, grid, SMEM_QSL * 4 if emit else 0
-        return launch
+    def _prepare(self, slot_mapping, block_table, seq_lens, query_start_loc) -> None:
+        """Fit the two launches (block records, counts only) to a new set of metadata tensors, held until
+        the next set or step. The tensors are checked when their pointers or shapes changed: an eager
+        pass's tensors are new objects each step, often over the same persistent buffers."""
+        key = (slot_mapping.data_ptr(), slot_mapping.shape[0], slot_mapping.dtype, block_table.data_ptr(),
+               block_table.shape[0], block_table.shape[1], block_table.stride(0), seq_lens.data_ptr(),
+               seq_lens.shape[0], 0 if query_start_loc is None else query_start_loc.data_ptr())
+        if key != self._checked_key:
+            self._checked_key = None  # a set that fails its check leaves no launch fitted to it
+            template = self._checked_args(slot_mapping, block_table, seq_lens, query_start_loc)
+            # Block 0 counts and writes the timing record; with block records, then the read blocks, then
+            # the write blocks
+            read_blocks = min(-(-template.num_reqs // WARPS), MAX_GRID)
+            size = ctypes.sizeof(_RecordArgs)
+            for launch, emit in ((self._emit_launch, 1), (self._count_launch, 0)):
+                ctypes.memmove(ctypes.addressof(launch.args), ctypes.addressof(template), size)
+                launch.args.emit, launch.args.read_blocks = emit, read_blocks if emit else 0
+            self._emit_launch.grid = 1 + read_blocks + min(-(-template.num_tokens // THREADS), MAX_GRID)
+            self._checked_key = key
+        self._pass_tensors = (slot_mapping, block_table, seq_lens, query_start_loc)
 
     def _checked_args(self, slot_mapping, block_table, seq_lens, query_start_loc) -> _RecordArgs:
         """The launch arguments these tensors give every layer (its own layer and emit flag aside), once
