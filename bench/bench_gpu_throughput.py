@@ -25,8 +25,15 @@ variants are then minutes apart at most instead of whole processes apart, so slo
 (which moves a host-bound small model's throughput by 25% between processes) hits every variant alike;
 the ratio is then also given paired, from each turn's recorded / plain ratio.
 
+With `--gpu-pairs` (two GPUs), every variant runs in two processes, one on each GPU and half of the
+CPUs; each turn runs a recorded variant on one GPU and plain on the other *at the same time*, the sides
+swapping from turn to turn. What slows the whole machine for a while (the CPUs' clock, a neighbour's load)
+slows both runs of a pair alike, and the paired ratio cancels it; swapping the sides cancels what differs
+between them. `plain-2` (plain once more) paired with plain gives the method's own noise and bias (A/A).
+
     python bench/bench_gpu_throughput.py --shapes 1b,8b --rounds 2 --out DIR
     python bench/bench_gpu_throughput.py --shapes 1b --together --rounds 2 --reps 15 --out DIR
+    python bench/bench_gpu_throughput.py --shapes 1b --gpu-pairs --variants plain,default,plain-2 --reps 12 --out DIR
     python bench/bench_gpu_throughput.py --shapes tiny --num-prompts 16 --input-len 64 --output-len 16 \
         --rounds 1 --reps 2 --gpu-memory-utilization 0.5   # smoke test on vLLM's CPU build
 
@@ -58,6 +65,7 @@ SHAPES = {
 }
 VARIANTS = {
     "plain": None,
+    "plain-2": None,  # plain again: paired with plain, the measurement's own noise and bias
     "host-only": ["--kv-granularity", "off"],  # the host probes alone: no attention probe, no ring
     "default": [],
     "all-layers": ["--kv-granularity", "blocks", "--kv-layers", "all"],
@@ -146,15 +154,20 @@ def worker(args) -> None:
     for rep in range(args.reps):
         batch = prompts(rep)
         if turns:  # --together: wait for this process's turn (the driver names it), then say it is done
-            while not (turns / f"go-{rep}").exists():
+            go = turns / f"go-{rep}"
+            while not go.exists():
                 time.sleep(0.005)
+            text = go.read_text().strip()  # --gpu-pairs: the turn, so that both runs of a pair get its prompts
+            if text:
+                batch = prompts(int(text))
         cpu0, steps0, t0 = children_cpu_s(), engine_steps(llm), time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         cpu1, steps1 = children_cpu_s(), engine_steps(llm)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         steps = steps1 - steps0 if steps0 is not None and steps1 is not None else None
-        reps.append({"seconds": seconds, "output_tokens": tokens, "engine_cpu_s": cpu1 - cpu0, "steps": steps})
+        reps.append({"seconds": seconds, "output_tokens": tokens, "engine_cpu_s": cpu1 - cpu0, "steps": steps,
+                     "start": t0 + time.time() - time.perf_counter()})
         Path(args.result).write_text(json.dumps({"reps": reps}))
         if turns:
             (turns / f"done-{rep}").touch()
@@ -219,6 +232,123 @@ def run_round_together(args, shape: str, model: Path, order: list[str], rnd: int
         for proc, *_ in procs.values():
             if proc.poll() is None:
                 proc.kill()
+
+
+def pair_sides() -> list[list[int]]:
+    """This process's CPUs in two halves, one per GPU (a process's engine and its helpers stay there)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    return [cpus[:half], cpus[half:] or cpus[:half]]
+
+
+def pair_turns(variants: list[str], reps: int) -> list[tuple[int, str, int]]:
+    """(turn, recorded variant, its side) in order: every non-plain variant against plain in each
+    repetition, their order rotating, the sides swapping between repetitions."""
+    others = [v for v in variants if v != "plain"]
+    turns = []
+    for rep in range(reps):
+        k = rep % len(others)
+        for v in others[k:] + others[:k]:
+            turns.append((len(turns), v, rep % 2))
+    return turns
+
+
+def run_pairs(args, shape: str, model: Path, variants: list[str], out: Path, scratch: Path) -> dict:
+    """--gpu-pairs: a process per (variant, GPU), all alive at once; each turn runs a variant on one GPU
+    and plain on the other at the same time. Returns {"turns": [...], "runs": {"variant@side": run}}."""
+    sides, memory = pair_sides(), args.gpu_memory_utilization / len(variants)
+    turns = pair_turns(variants, args.reps)
+    # each process's own repetitions, in the order of the turns it takes part in
+    mine: dict[tuple[str, int], list[int]] = {(v, g): [] for v in variants for g in (0, 1)}
+    for turn, v, side in turns:
+        mine[(v, side)].append(turn)
+        mine[("plain", 1 - side)].append(turn)
+    procs = {}
+    t0 = time.monotonic()
+
+    def start(v: str, g: int):
+        name = f"{shape}-{v}-gpu{g}"
+        folder = scratch / f"turns-{name}"
+        folder.mkdir()
+        result, session = scratch / f"{name}.json", scratch / f"session-{name}"
+        logs = open(scratch / f"{name}.stdout", "w+"), open(scratch / f"{name}.stderr", "w+")
+        cmd = variant_cmd(args, model, v, result, session, memory, folder)
+        cmd[cmd.index("--reps") + 1] = str(len(mine[(v, g)]))
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g)} if args.gpus_visible else dict(os.environ)
+        cpus = sides[g]
+        proc = subprocess.Popen(cmd, stdout=logs[0], stderr=logs[1], text=True, env=env,
+                                preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # its children inherit it
+        procs[(v, g)] = (proc, folder, result, session, logs)
+        return proc, folder, logs, name
+
+    try:
+        for v in variants:  # one at a time on each GPU (vLLM sizes its KV cache from the memory free when
+            started = [start(v, g) for g in (0, 1)]  # it starts); the two GPUs' starts together
+            for proc, folder, logs, name in started:
+                wait_for(proc, folder / "ready", t0 + args.timeout, f"{name} to start", logs)
+        done = {key: 0 for key in procs}
+        for turn, v, side in turns:
+            pair = [(v, side), ("plain", 1 - side)]
+            for key in pair:
+                (procs[key][1] / f"go-{done[key]}").write_text(str(turn))
+            for key in pair:
+                proc, folder, *_, logs = procs[key]
+                wait_for(proc, folder / f"done-{done[key]}", t0 + args.timeout, f"{key} turn {turn}", logs)
+                done[key] += 1
+            print(f"{shape} turn {turn}: {v} on GPU {side} beside plain", flush=True)
+        runs = {}
+        for (v, g), (proc, _folder, result, session, logs) in procs.items():
+            code = proc.wait(timeout=max(1.0, t0 + args.timeout - time.monotonic()))
+            logs[0].seek(0), logs[1].seek(0)
+            run = finish_run(shape, f"{v}@gpu{g}", 0, out, code, logs[0].read(), logs[1].read(),
+                             time.monotonic() - t0, result, session)
+            for rep, turn in zip(run["reps"], mine[(v, g)]):
+                rep["turn"] = turn
+            runs[f"{v}@{g}"] = run
+        return {"turns": turns, "runs": runs, "sides": sides}
+    finally:
+        for proc, *_ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+def pairs_report(shape: str, pairs: dict, args) -> list[str]:
+    """Per recorded variant: the paired ratio (geometric mean over turns, bootstrap interval), each side's
+    apart, and how much the pairing removed: the spread of the paired log ratio against that of plain's
+    throughput from one of its turns to the next."""
+    import math
+
+    by_turn: dict[tuple[int, str], dict] = {}
+    for key, run in pairs["runs"].items():
+        v, side = key.rsplit("@", 1)
+        for rep in run["reps"]:
+            by_turn[(rep["turn"], v)] = {**rep, "side": int(side)}
+    lines = [f"\n{shape}: {SHAPES[shape]['num_hidden_layers']} layers, {args.num_prompts} prompts x "
+             f"{args.input_len} in / {args.output_len} out, --gpu-pairs, {args.reps} reps; CPUs "
+             f"{pairs['sides'][0][0]}-{pairs['sides'][0][-1]} with GPU 0, {pairs['sides'][1][0]}-{pairs['sides'][1][-1]} with GPU 1"]
+    plain_series = [throughput(by_turn[(t, "plain")]) for t, _v, _s in pairs["turns"] if (t, "plain") in by_turn]
+    steps = [math.log(b / a) for a, b in zip(plain_series, plain_series[1:])]
+    drift = math.sqrt(statistics.fmean(x * x for x in steps)) if steps else float("nan")  # rms
+    for v in dict.fromkeys(v for _t, v, _s in pairs["turns"]):
+        rows = [(by_turn[(t, v)], by_turn[(t, "plain")]) for t, vv, _s in pairs["turns"]
+                if vv == v and (t, v) in by_turn and (t, "plain") in by_turn]
+        ratios = [throughput(r) / throughput(p) for r, p in rows]
+        g = paired_ci(ratios)
+        side = {k: [x for (r, _p), x in zip(rows, ratios) if r["side"] == k] for k in (0, 1)}
+        sides = ", ".join(f"on GPU {k}: {math.exp(statistics.fmean(math.log(x) for x in xs)):.4f} ({len(xs)})"
+                          for k, xs in side.items() if xs)
+        spread = statistics.pstdev([math.log(x) for x in ratios]) if len(ratios) > 1 else float("nan")
+        cpu = [(cpu_per_step_ms(r), cpu_per_step_ms(p)) for r, p in rows]
+        cpu = [(a, b) for a, b in cpu if a and b]
+        cpu_txt = (f"; EngineCore CPU per step {statistics.fmean(b for _a, b in cpu):.2f} -> "
+                   f"{statistics.fmean(a for a, _b in cpu):.2f} ms" if cpu else "")
+        lines.append(f"  {v} / plain at the same time, {len(ratios)} pairs: {g[0]:.4f} [{g[1]:.4f}, {g[2]:.4f}]; "
+                     f"{sides}; spread of a pair's log ratio {100 * spread:.1f}% (plain's own from turn to turn "
+                     f"{100 * drift:.1f}% rms){cpu_txt}; mean plain {statistics.fmean(throughput(p) for _r, p in rows):.0f} tok/s")
+    for key, run in pairs["runs"].items():
+        if run.get("record_says"):
+            lines.append(f"  {key}: session {run.get('session_mb', 0):.1f} MB; " + " | ".join(run["record_says"])[:400])
+    return lines
 
 
 def wait_for(proc: subprocess.Popen, path: Path, deadline: float, what: str, logs) -> None:
@@ -356,6 +486,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench-gpu-throughput", help="folder for results, logs and sessions")
     ap.add_argument("--together", action="store_true",
                     help="keep every variant's process alive and run their repetitions in turns (see above)")
+    ap.add_argument("--gpu-pairs", action="store_true",
+                    help="two GPUs: each variant beside plain at the same time, one on each GPU (see above)")
+    ap.add_argument("--no-gpus-visible", dest="gpus_visible", action="store_false",
+                    help=argparse.SUPPRESS)  # --gpu-pairs on vLLM's CPU build (smoke test): no CUDA_VISIBLE_DEVICES
     ap.add_argument("--turns", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -366,6 +500,13 @@ def main() -> None:
     bad = [s for s in shapes if s not in SHAPES] + [v for v in variants if v not in VARIANTS]
     if bad or "plain" not in variants:
         raise SystemExit(f"bench: unknown shape or variant {bad}, or no 'plain' to compare with")
+    if args.gpu_pairs and (args.together or len(variants) < 2):
+        raise SystemExit("bench: --gpu-pairs runs its own turns (not with --together) and needs a variant besides plain")
+    if args.gpu_pairs and args.gpus_visible:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            raise SystemExit(f"bench: --gpu-pairs needs two GPUs, this machine has {torch.cuda.device_count()}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="kvtrace-bench-"))  # models, sessions, per-process results
@@ -380,6 +521,15 @@ def main() -> None:
     everything = {}
     for shape in shapes:
         model = write_model(scratch / "models" / shape, shape)
+        if args.gpu_pairs:
+            pairs = run_pairs(args, shape, model, variants, out, scratch)
+            everything[shape] = pairs
+            (out / "results.json").write_text(json.dumps({"device": lines[0], "args": vars(args), "runs": everything},
+                                                         indent=1))
+            block = pairs_report(shape, pairs, args)
+            lines += block
+            print("\n".join(block), flush=True)
+            continue
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]

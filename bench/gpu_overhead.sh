@@ -9,11 +9,13 @@
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)
 #   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side
+#   bash bench/gpu_overhead.sh pairs                # two GPUs: each variant beside plain at the same time
+#   bash bench/gpu_overhead.sh speed                # how steady the CPUs run identical work (no GPU use)
 #   SHAPE=8b bash bench/gpu_overhead.sh rounds      # sequential processes, two rounds in turned order
 #                                                   # (the 8B's engines do not fit the GPU together)
 #
 # SHAPE (default 1b) and REPS (default per stage) override the workload's size; VARIANTS the variants of
-# the gil, hooks, throughput and rounds stages (bench_gpu_throughput.py's names); CASES the vllm stage's cases
+# the gil, hooks, throughput, pairs and rounds stages (bench_gpu_throughput.py's names); CASES the vllm stage's cases
 # (a pytest -k expression over tests/gpu/test_vllm_cuda.py; ~60 s a case, 9 fit the stage's 560 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +59,12 @@ for stage in "$@"; do
     throughput)
         run throughput 560 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --together \
             --variants "${VARIANTS:-plain,host-only,default,all-layers}" --rounds 1 --reps "${REPS:-10}" --out "$OUT/tp" ;;
+    pairs)
+        run pairs 580 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --gpu-pairs \
+            --variants "${VARIANTS:-plain,default,all-layers,plain-2}" --reps "${REPS:-10}" --out "$OUT/pairs" ;;
+    speed)
+        n=$(nproc)
+        run speed 60 python3 bench/cpu_speed_probe.py --cores "0,1,$((n / 2)),$((n - 1))" --seconds 20 ;;
     rounds)
         # 8B: 80-105 s a process once torch.compile's cache is warm (the first of a machine: ~160 s), so
         # two rounds of two variants fit one device call and two rounds of three do not
