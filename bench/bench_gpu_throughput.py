@@ -151,23 +151,20 @@ def worker(args) -> None:
     if turns:
         (turns / "ready").touch()
     reps = []
+    # --gpu-pairs names the prompts of each repetition (its turn's), so that both runs of a pair get the same
+    prompt_reps = [int(x) for x in args.prompt_reps.split(",")] if args.prompt_reps else range(args.reps)
     for rep in range(args.reps):
-        batch = prompts(rep)
+        batch = prompts(prompt_reps[rep])
         if turns:  # --together: wait for this process's turn (the driver names it), then say it is done
-            go = turns / f"go-{rep}"
-            while not go.exists():
+            while not (turns / f"go-{rep}").exists():
                 time.sleep(0.005)
-            text = go.read_text().strip()  # --gpu-pairs: the turn, so that both runs of a pair get its prompts
-            if text:
-                batch = prompts(int(text))
         cpu0, steps0, t0 = children_cpu_s(), engine_steps(llm), time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         cpu1, steps1 = children_cpu_s(), engine_steps(llm)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         steps = steps1 - steps0 if steps0 is not None and steps1 is not None else None
-        reps.append({"seconds": seconds, "output_tokens": tokens, "engine_cpu_s": cpu1 - cpu0, "steps": steps,
-                     "start": t0 + time.time() - time.perf_counter()})
+        reps.append({"seconds": seconds, "output_tokens": tokens, "engine_cpu_s": cpu1 - cpu0, "steps": steps})
         Path(args.result).write_text(json.dumps({"reps": reps}))
         if turns:
             (turns / f"done-{rep}").touch()
@@ -274,6 +271,7 @@ def run_pairs(args, shape: str, model: Path, variants: list[str], out: Path, scr
         logs = open(scratch / f"{name}.stdout", "w+"), open(scratch / f"{name}.stderr", "w+")
         cmd = variant_cmd(args, model, v, result, session, memory, folder)
         cmd[cmd.index("--reps") + 1] = str(len(mine[(v, g)]))
+        cmd += ["--prompt-reps", ",".join(map(str, mine[(v, g)]))]  # the worker's arguments end the command
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g)} if args.gpus_visible else dict(os.environ)
         cpus = sides[g]
         proc = subprocess.Popen(cmd, stdout=logs[0], stderr=logs[1], text=True, env=env,
@@ -290,7 +288,7 @@ def run_pairs(args, shape: str, model: Path, variants: list[str], out: Path, scr
         for turn, v, side in turns:
             pair = [(v, side), ("plain", 1 - side)]
             for key in pair:
-                (procs[key][1] / f"go-{done[key]}").write_text(str(turn))
+                (procs[key][1] / f"go-{done[key]}").touch()
             for key in pair:
                 proc, folder, *_, logs = procs[key]
                 wait_for(proc, folder / f"done-{done[key]}", t0 + args.timeout, f"{key} turn {turn}", logs)
@@ -491,6 +489,7 @@ def main() -> None:
     ap.add_argument("--no-gpus-visible", dest="gpus_visible", action="store_false",
                     help=argparse.SUPPRESS)  # --gpu-pairs on vLLM's CPU build (smoke test): no CUDA_VISIBLE_DEVICES
     ap.add_argument("--turns", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-reps", help=argparse.SUPPRESS)  # worker: each repetition's prompt set
     args = ap.parse_args()
     if args.worker:
         return worker(args)
