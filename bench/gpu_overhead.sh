@@ -6,6 +6,7 @@
 #   bash bench/gpu_overhead.sh ring                 # device ring and native drain tests (no vLLM needed)
 #   bash bench/gpu_overhead.sh vllm ab              # real-vLLM cases; step-block A/B of the KV ring
 #   CASES="v2-full-flash or cpu_offload" bash bench/gpu_overhead.sh vllm   # other cases (pytest -k)
+#   AB_PAUSE=all VARIANTS=default REPS=90 bash bench/gpu_overhead.sh ab   # all of kvtrace on / off by blocks
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)
 #   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side
@@ -15,7 +16,7 @@
 #                                                   # (the 8B's engines do not fit the GPU together)
 #
 # SHAPE (default 1b) and REPS (default per stage) override the workload's size; VARIANTS the variants of
-# the gil, hooks, throughput, pairs and rounds stages (bench_gpu_throughput.py's names); CASES the vllm stage's cases
+# the ab, gil, hooks, throughput, pairs and rounds stages (bench_gpu_throughput.py's names); CASES the vllm stage's cases
 # (a pytest -k expression over tests/gpu/test_vllm_cuda.py; ~60 s a case, 9 fit the stage's 560 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,8 +47,8 @@ for stage in "$@"; do
         run vllm 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_cuda.py \
             -k "${CASES:-v2-default-flash or v1-default-flash or v2-eager-flash}" ;;
     ab)
-        run ab 420 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants default,all-layers \
-            --ab-blocks 16 --reps "${REPS:-10}" --out "$OUT/ab" ;;
+        run ab 560 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${VARIANTS:-default,all-layers}" \
+            --ab-blocks 16 --ab-pause "${AB_PAUSE:-records}" --reps "${REPS:-10}" --out "$OUT/ab" ;;
     gil)
         run gil 540 env KVTRACE_GIL_RATE_HZ=1000 python3 bench/profile_engine_thread.py --shape "$SHAPE" \
             --variants "${VARIANTS:-default,host-only,all-layers}" --threads --reps "${REPS:-3}" --py-spy "${KVTRACE_PY_SPY:-}" \

@@ -41,6 +41,17 @@ kernels, which exit at once when paused, the drains) and the drain and writer th
 over both kinds of block, are outside it. `--threads` and `--ab-blocks` also print the machine's busy
 and stolen CPU shares over the window.
 
+`--ab-pause all` (with `--ab-blocks`) pauses all of kvtrace in the other block instead: every probe
+switched off (its wrappers stay in place and return through their first line, as in
+count_instructions.py's "disabled" mode) and the ring's device flag cleared, so that record kernels in
+CUDA graphs exit at once. It reads what kvtrace costs the engine thread directly, including what its
+code does to vLLM's (caches, the GIL hand-overs it causes), as a paired ratio of thousands of steps in
+one process: the way to read ~1% on a host-bound engine whose speed moves by 10-30% between 100 ms
+windows (bench/cpu_speed_probe.py). Outside it: the off-block's residue (a wrapper's call, the exiting
+kernels) and the background threads' work (the GIL they hold: `--threads --py-spy`). `--ab-pause
+none` switches nothing (an A/A: the noise and bias of the pairing itself). A probe that fails during the
+run (switched off for good) spoils the comparison: the report says so.
+
 `--hook-times` (with `--threads`) times kvtrace's per-step calls on the engine thread over the same
 window, each wrapped in a `perf_counter_ns` pair (~0.2 us a call of its own): the KV ring's
 `begin_step`, `record_layer` and `drain`, and inside them its kernel launches (`begin_step`'s apart from
@@ -187,14 +198,44 @@ def block_records(block: int) -> bool:
     return (block % 2 == 0) == ((block // 2) % 2 == 0)
 
 
+class KvtracePause:
+    """Switches all of kvtrace in this process on and off between engine steps (`--ab-pause all`): every
+    probe's `enabled` (the block-pool hooks in C follow it), and the ring's device flag, which the record
+    kernels captured in CUDA graphs read (begin_step is not called while the attention probe is off)."""
+
+    def __init__(self) -> None:
+        from kvtrace.probes import lifecycle
+
+        self.probes = [p for p in lifecycle.installed() if p.enabled]
+        self.ring = kv_ring()
+        self.on = True
+
+    def set(self, on: bool) -> None:
+        if on == self.on:
+            return
+        self.on = on
+        for p in self.probes:
+            p.enabled = on
+        if not on and self.ring is not None:
+            self.ring.begin_step(self.ring.step, record=False)  # before this step's forward pass, in stream order
+
+    def faults(self) -> dict[str, int]:
+        """Probes that raised during the run (each switched itself off: the blocks then compare less)."""
+        return {p.name: p.faults for p in self.probes if p.faults}
+
+
 def ab_blocks_worker(args, llm, params, prompts) -> None:
     """Engine steps in blocks of `--ab-blocks`, the ring recording in one block of each pair and paused in
     the other (the order alternating between pairs), over `--reps` repetitions of the workload; every
     engine step's wall time, with its block. The machine's drift over seconds, which repetitions cannot
-    escape, is the same for the two blocks of a pair, ~0.1-0.3 s apart."""
+    escape, is the same for the two blocks of a pair, ~0.1-0.3 s apart. `--ab-pause all`: kvtrace as a
+    whole on and off instead of the ring's records; `none`: the same flag in both blocks (an A/A)."""
     ring = kv_ring()
-    if ring is None:
+    if ring is None and args.ab_pause == "records":
         raise SystemExit("profile --ab-blocks: no KV ring in this process (run a variant that records KV accesses)")
+    pause = KvtracePause() if args.ab_pause == "all" else None
+    if args.ab_pause == "all" and not pause.probes:
+        raise SystemExit("profile --ab-pause all: no kvtrace probe in this process (run a recorded variant)")
     engine, size = llm.llm_engine, args.ab_blocks
     original, calls, count = engine.step, [], [0]
 
@@ -203,23 +244,31 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         count[0] += 1
         block = n // size
         recording = block_records(block)
-        # the flag is read at the step's begin_step, inside this call (the step it schedules)
-        ring.sample_every = 1 if recording else PAUSED
+        if pause is not None:
+            pause.set(recording)
+        elif args.ab_pause == "records":
+            # the flag is read at the step's begin_step, inside this call (the step it schedules)
+            ring.sample_every = 1 if recording else PAUSED
         t0 = time.perf_counter_ns()
         out = original()
         calls.append((block, recording, n % size, time.perf_counter_ns() - t0))
         return out
 
     engine.step = timed_step
-    rows0, cpu0, t0, cpus0 = drained_rows(ring), sum(kvtrace_threads_cpu_s()), time.perf_counter(), machine_cpu()
+    rows0, cpu0, t0, cpus0 = drained_rows(ring) if ring is not None else 0, sum(kvtrace_threads_cpu_s()), time.perf_counter(), machine_cpu()
     for rep in range(args.reps):
         llm.generate(prompts(rep), params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     engine.step = original
-    ring.sample_every = 1
+    if pause is not None:
+        pause.set(True)
+    if ring is not None:
+        ring.sample_every = 1
     Path(args.result).write_text(json.dumps({"block_steps": size, "calls": calls, "wall_s": seconds,
-                                             "rows": drained_rows(ring) - rows0,
+                                             "paused": args.ab_pause,
+                                             "rows": drained_rows(ring) - rows0 if ring is not None else 0,
                                              "threads_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu0,
+                                             "probe_faults": pause.faults() if pause is not None else {},
                                              "machine_cpu": machine_cpu_delta(cpus0)}))
 
 
@@ -240,7 +289,7 @@ def ab_blocks_report(variant: str, r: dict) -> str:
     for block, recording, pos, ns in r["calls"]:
         if pos >= AB_SKIP:
             blocks.setdefault(block, (recording, []))[1].append(ns)
-    ratios, on_ms, off_ms, mixed = [], [], [], 0
+    ratios, med_ratios, on_ms, off_ms, mixed = [], [], [], [], 0
     for pair in range(0, max(blocks, default=-1) + 1, 2):
         a, b = blocks.get(pair), blocks.get(pair + 1)
         if not a or not b or not a[1] or not b[1] or a[0] == b[0]:
@@ -251,17 +300,29 @@ def ab_blocks_report(variant: str, r: dict) -> str:
         on, off = (a, b) if a[0] else (b, a)
         on_mean, off_mean = statistics.fmean(on[1]) / 1e6, statistics.fmean(off[1]) / 1e6
         ratios.append(off_mean / on_mean)  # throughput recording / paused: time paused over time recording
+        med_ratios.append(statistics.median(off[1]) / statistics.median(on[1]))
         on_ms.append(on_mean)
         off_ms.append(off_mean)
     if not ratios:
         return f"{variant}: --ab-blocks: no complete pair of blocks"
     mean, lo, hi = bgt.paired_ci(ratios)
+    med, med_lo, med_hi = bgt.paired_ci(med_ratios)
     steps = len(r["calls"])
-    return (f"{variant}: step blocks of {r['block_steps']}, recording / paused, paired over {len(ratios)} pairs of "
-            f"blocks ({mixed} pairs with a prefill or tail left out): {mean:.4f} [{lo:.4f}, {hi:.4f}]; mean step {statistics.fmean(on_ms):.3f} ms recording, "
-            f"{statistics.fmean(off_ms):.3f} ms paused; {steps} steps in {r['wall_s']:.1f} s; rows drained "
-            f"{r['rows']}; kvtrace threads' CPU {100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window "
-            f"(spread over both kinds of block)" + machine_note(r))
+    on_name, off_name = PAUSE_NAMES[r.get("paused", "records")]
+    faults = r.get("probe_faults") or {}
+    spoilt = (f"; PROBES FAILED during the run, switched off in both kinds of block: "
+              f"{', '.join(f'{k} ({v})' for k, v in sorted(faults.items()))}") if faults else ""
+    return (f"{variant}: step blocks of {r['block_steps']}, {on_name} / {off_name}, paired over {len(ratios)} pairs of "
+            f"blocks ({mixed} pairs with a prefill or tail left out): {mean:.4f} [{lo:.4f}, {hi:.4f}] (by each block's "
+            f"median step instead of its mean: {med:.4f} [{med_lo:.4f}, {med_hi:.4f}]); mean step "
+            f"{statistics.fmean(on_ms):.3f} ms {on_name}, {statistics.fmean(off_ms):.3f} ms {off_name}; {steps} steps "
+            f"in {r['wall_s']:.1f} s; rows drained {r['rows']}; kvtrace threads' CPU "
+            f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window (spread over both kinds of block)"
+            + machine_note(r) + spoilt)
+
+
+# --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)
+PAUSE_NAMES = {"records": ("recording", "paused"), "all": ("kvtrace on", "kvtrace off"), "none": ("A", "A again")}
 
 
 def ab_report(variant: str, reps: list[dict]) -> str:
@@ -426,6 +487,9 @@ def main() -> None:
     ap.add_argument("--ab-blocks", type=int, default=0, metavar="STEPS",
                     help="in one recorded process, over --reps repetitions: blocks of STEPS engine steps, the "
                     "ring recording and paused in turns (a paired ratio of step times)")
+    ap.add_argument("--ab-pause", choices=sorted(PAUSE_NAMES), default="records",
+                    help="with --ab-blocks, what the paused block switches off: the ring's records (records), "
+                    "all of kvtrace (all), or nothing, an A/A (none)")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
@@ -450,7 +514,7 @@ def main() -> None:
                    "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                    *(["--threads"] if args.threads else []), *(["--ab"] if args.ab else []),
                    *(["--hook-times"] if args.hook_times else []),
-                   *(["--ab-blocks", str(args.ab_blocks)] if args.ab_blocks else []),
+                   *(["--ab-blocks", str(args.ab_blocks), "--ab-pause", args.ab_pause] if args.ab_blocks else []),
                    *(["--py-spy", args.py_spy] if args.py_spy else [])]
             if bgt.VARIANTS[v] is not None:
                 cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session),

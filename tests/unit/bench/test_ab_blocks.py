@@ -44,3 +44,52 @@ def test_pairs_read_the_recording_blocks_against_their_neighbours(profile):
 def test_the_recording_flag_alternates_its_order_between_pairs(profile):
     assert [profile.block_records(b) for b in range(8)] == [True, False, False, True, True, False, False, True]
     assert profile.steady([10, 11, 9, 19]) and not profile.steady([10, 11, 9, 25]) and not profile.steady([10, 10, 4])
+
+
+class FakeProbe:
+    def __init__(self, name: str, enabled: bool = True):
+        self.name, self.enabled, self.faults = name, enabled, 0
+
+
+class FakeRing:
+    def __init__(self):
+        self.step, self.calls = 41, []
+
+    def begin_step(self, step, record=True):
+        self.calls.append((step, record))
+
+
+def test_pausing_all_of_kvtrace_switches_every_probe_and_clears_the_device_flag_once(profile, monkeypatch):
+    from kvtrace.probes import lifecycle
+
+    probes = [FakeProbe("scheduler"), FakeProbe("kv_blocks"), FakeProbe("connector", enabled=False)]
+    ring = FakeRing()
+    monkeypatch.setattr(lifecycle, "installed", lambda: probes)
+    monkeypatch.setattr(profile, "kv_ring", lambda: ring)
+    pause = profile.KvtracePause()
+    assert [p.name for p in pause.probes] == ["scheduler", "kv_blocks"]  # a probe already off stays off
+    pause.set(True)
+    assert ring.calls == [] and all(p.enabled for p in pause.probes)
+    pause.set(False)
+    pause.set(False)
+    # the graph-captured record kernels read the flag: cleared once, at the switch, for the ring's last step
+    assert ring.calls == [(41, False)]
+    assert not any(p.enabled for p in probes)
+    pause.set(True)
+    assert [p.enabled for p in probes] == [True, True, False] and ring.calls == [(41, False)]
+    assert pause.faults() == {}
+    probes[0].faults = 2
+    assert pause.faults() == {"scheduler": 2}
+
+
+def test_the_report_names_the_blocks_by_what_was_paused_and_says_when_a_probe_failed(profile):
+    size = 4
+    blocks = [[10.0] * size for _ in range(4)]
+    r = {"block_steps": size, "calls": calls_of(profile, blocks, size), "wall_s": 1.0, "rows": 0,
+         "threads_cpu_s": 0.0, "paused": "all", "probe_faults": {}}
+    text = profile.ab_blocks_report("default", r)
+    assert "kvtrace on / kvtrace off, paired over 2 pairs" in text and "FAILED" not in text
+    text = profile.ab_blocks_report("default", {**r, "probe_faults": {"scheduler": 1}})
+    assert "PROBES FAILED during the run" in text and "scheduler (1)" in text
+    assert "A / A again" in profile.ab_blocks_report("default", {**r, "paused": "none"})
+    assert "recording / paused" in profile.ab_blocks_report("default", {k: v for k, v in r.items() if k != "paused"})
