@@ -7,6 +7,7 @@
 #   bash bench/gpu_overhead.sh vllm ab              # real-vLLM cases; step-block A/B of the KV ring
 #   CASES="v2-full-flash or cpu_offload" bash bench/gpu_overhead.sh vllm   # other cases (pytest -k)
 #   AB_PAUSE=all VARIANTS=default REPS=90 bash bench/gpu_overhead.sh ab   # all of kvtrace on / off by blocks
+#   AB_PAUSE=all VARIANTS=default,host-only REPS=100 bash bench/gpu_overhead.sh ab-gpus  # the same, a GPU each
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)
 #   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side
@@ -63,6 +64,24 @@ for stage in "$@"; do
     pairs)
         run pairs 580 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --gpu-pairs \
             --variants "${VARIANTS:-plain,default,all-layers,plain-2}" --reps "${REPS:-10}" --out "$OUT/pairs" ;;
+    ab-gpus)
+        # the ab stage's variants at the same time, each on a GPU of its own and an equal share of the CPUs
+        # (each A/B is paired inside its process: the other process is only more of the machine's noise)
+        IFS=, read -ra vs <<<"${VARIANTS:-default,host-only}"
+        n=$(nproc) k=${#vs[@]} pids=()
+        echo "=== ab-gpus: ${vs[*]} on $k GPUs, AB_PAUSE=${AB_PAUSE:-all} REPS=${REPS:-10}" | tee -a "$OUT/ab-gpus.log"
+        for i in "${!vs[@]}"; do
+            CUDA_VISIBLE_DEVICES=$i timeout 570 taskset -c "$((i * n / k))-$(((i + 1) * n / k - 1))" \
+                python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${vs[$i]}" --ab-blocks 16 \
+                --ab-pause "${AB_PAUSE:-all}" --reps "${REPS:-10}" --timeout 560 --out "$OUT/ab-gpus" \
+                >"$OUT/ab-gpus-${vs[$i]}.log" 2>&1 &
+            pids+=($!)
+        done
+        for i in "${!pids[@]}"; do
+            wait "${pids[$i]}"
+            echo "=== ab-gpus ${vs[$i]}: exit $?" >>"$OUT/ab-gpus-${vs[$i]}.log"
+            tail -n 3 "$OUT/ab-gpus-${vs[$i]}.log" | tee -a "$OUT/ab-gpus.log"
+        done ;;
     speed)
         n=$(nproc)
         run speed 60 python3 bench/cpu_speed_probe.py --cores "0,1,$((n / 2)),$((n - 1))" --seconds 20 ;;
