@@ -451,8 +451,10 @@ def worker(args) -> None:
         return
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())  # self time of every function
-    # kvtrace's Python functions, and its C ones (the native row logs' methods name their type's module)
-    ours = {k: v for k, v in stats.stats.items() if f"{os.sep}kvtrace{os.sep}" in k[0] or "kvtrace" in k[2]}
+    # kvtrace's Python functions (its generated wrappers too), and its C ones (the native row logs' methods
+    # name their type's module)
+    ours = {k: v for k, v in stats.stats.items()
+            if f"{os.sep}kvtrace{os.sep}" in k[0] or "kvtrace" in k[2] or k[0].startswith("<kvtrace wrapper")}
     ours_s = sum(v[2] for v in ours.values())
     lines = [f"wall {seconds:.3f} s for {steps} engine steps: {1e3 * seconds / max(steps, 1):.3f} ms a step; "
              f"profiled self time {total:.3f} s, of which kvtrace's functions {ours_s:.3f} s "
