@@ -4,6 +4,7 @@
     python bench/bench_host_steps.py --rounds 30     # a narrower interval (~5 min)
     python bench/bench_host_steps.py --probes kv_blocks   # one probe's part
     python bench/bench_host_steps.py --null-patches  # control: the method's own bias (~0)
+    python bench/bench_host_steps.py --disabled      # the probes' wrappers alone, switched off
 
 Why a second benchmark. bench_host_probes.py compares whole rounds (one workload on a fresh scheduler,
 0.4-1.5 s each) with the probes off and on. On a quiet machine its rounds agree to +-1%; on a slow,
@@ -121,6 +122,8 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
     """One workload on three fresh schedulers stepped in turn; per block of steps, ns of CPU per mode."""
     probes = install_probes(rec, names)
     patches = Patches(probes, null=args.null_patches)
+    for probe in probes if args.disabled else ():
+        probe.enabled = False  # the wrappers in place, each returning through its first line
     feeders = {}
     rng = random.Random(order_seed)
     # Built in a shuffled order too: the first one built gets the process's memory first, which could
@@ -219,7 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--null-patches", action="store_true",
                     help="control: `on` installs the probes but steps with vLLM's own methods put back in their place "
                          "(classes written as at every turn, no probe code runs; reads the method's own bias, ~0)")
+    ap.add_argument("--disabled", action="store_true",
+                    help="`on` installs the probes switched off: each wrapper returns through its first line and the "
+                         "block-pool hooks (C) call vLLM's method alone; what remains of the probes when off "
+                         "(profile_engine_thread.py --ab-pause all compares against that)")
     args = ap.parse_args(argv)
+    if args.disabled and args.null_patches:
+        ap.error("--disabled and --null-patches are two different controls: one at a time")
 
     from kvtrace.record import buffers, recorder
 
@@ -281,8 +290,11 @@ def measure(args: argparse.Namespace, stretch: int) -> int:
         checks = [c for c in checks if c[1] or c[2] == 0]
     if args.null_patches:  # no probe code ran: nothing to check, and no verdict below
         checks = []
+    elif args.disabled:  # switched off, the probes record nothing at all
+        checks = [(name, got, 0) for name, got, _ in checks]
     print("\nrows recorded (the `on` scheduler, all rounds) vs vLLM's own counts:"
-          + (" none checked (--null-patches: no probe code ran)" if args.null_patches else ""))
+          + (" none checked (--null-patches: no probe code ran)" if args.null_patches else "")
+          + (" none expected (--disabled: the probes switched off)" if args.disabled else ""))
     for name, got, want in checks:
         print(f"  {name:15s} {got:9d}  vLLM {want:9d}  {'ok' if got == want else 'MISMATCH'}")
     print(f"  drops: {drops}")
@@ -308,6 +320,10 @@ def measure(args: argparse.Namespace, stretch: int) -> int:
     if args.null_patches:
         print("\n--null-patches: the figure above is the method's own bias (vLLM's methods written back at every "
               "turn, no probe code): it should read ~0")
+        return 0
+    if args.disabled:
+        print("\n--disabled: the figure above is what the probes' wrappers cost switched off (vLLM's calls through "
+              "them, no probe code beyond the flag)")
         return 0
     exact = drops == 0 and all(g == w for _, g, w in checks)
     verdict = "MET" if exact and hi <= TARGET_PCT else "MISSED" if not exact or lo > TARGET_PCT else "NOT RESOLVED"

@@ -85,3 +85,16 @@ def test_only_the_probed_scheduler_is_recorded(capsys):
     from kvtrace.record import buffers, recorder
 
     assert (buffers.FLUSH_NS, recorder.PROC_REFRESH_S) == (1_000_000_000, 2.0)
+
+
+def test_disabled_probes_record_nothing(capsys):
+    bench = load_bench()
+    # --disabled: the probes installed and switched off (what the engine A/B's off blocks keep of them)
+    bench.main(["--rounds", "1", "--requests", "24", "--concurrency", "8", "--prefix-tokens", "64",
+                "--suffix-tokens", "16", "--max-tokens", "24", "--num-blocks", "24", "--block", "2", "--disabled"])
+    out = capsys.readouterr().out
+    checks = {line.split()[0]: line.split() for line in out.splitlines()
+              if line.strip().split(" ")[0] in ("steps", "step_requests", "preemptions", "prefix_lookups")}
+    assert set(checks) == {"steps", "step_requests", "preemptions", "prefix_lookups"}, out
+    assert all(words[1] == "0" and words[-1] == "ok" for words in checks.values()), out
+    assert "--disabled: the figure above" in out and "target <=" not in out
