@@ -46,7 +46,7 @@ switched off (its wrappers stay in place and return through their first line, as
 count_instructions.py's "disabled" mode) and the ring's device flag cleared, so that record kernels in
 CUDA graphs exit at once. It reads what kvtrace costs the engine thread directly, including what its
 code does to vLLM's (caches, the GIL hand-overs it causes), as a paired ratio of thousands of steps in
-one process: the way to read ~1% on a host-bound engine whose speed moves by 10-30% between 100 ms
+one process: the way to read ~1% on a host-bound engine whose speed moves by 10-60% between 100 ms
 windows (bench/cpu_speed_probe.py). Outside it: the off-block's residue (a wrapper's call, the exiting
 kernels) and the background threads' work (the GIL they hold: `--threads --py-spy`). `--ab-pause
 none` switches nothing (an A/A: the noise and bias of the pairing itself). A probe that fails during the
