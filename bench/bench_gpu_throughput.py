@@ -151,7 +151,7 @@ def worker(args) -> None:
     if turns:
         (turns / "ready").touch()
     reps = []
-    # --gpu-pairs names the prompts of each repetition (its turn's), so that both runs of a pair get the same
+    # --gpu-pairs names each repetition's prompt set (its turn's): both runs of a pair get the same prompts
     prompt_reps = [int(x) for x in args.prompt_reps.split(",")] if args.prompt_reps else range(args.reps)
     for rep in range(args.reps):
         batch = prompts(prompt_reps[rep])

@@ -163,7 +163,9 @@ def hook_report(hooks: dict[str, dict[str, float]], steps: int) -> str:
 
 def drained_rows(ring) -> int:
     """Rows the ring's drain has handed to the recorder so far (the drain runs every 100 ms: a
-    repetition's count includes the tail of the one before)."""
+    repetition's count includes the tail of the one before); 0 without a ring."""
+    if ring is None:
+        return 0
     return int(ring.stats.get("kv_rows", 0)) + int(ring.stats.get("timing_rows", 0))
 
 
@@ -203,11 +205,11 @@ class KvtracePause:
     probe's `enabled` (the block-pool hooks in C follow it), and the ring's device flag, which the record
     kernels captured in CUDA graphs read (begin_step is not called while the attention probe is off)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ring) -> None:
         from kvtrace.probes import lifecycle
 
         self.probes = [p for p in lifecycle.installed() if p.enabled]
-        self.ring = kv_ring()
+        self.ring = ring  # None in a variant without the attention probe (host-only)
         self.on = True
 
     def set(self, on: bool) -> None:
@@ -233,7 +235,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     ring = kv_ring()
     if ring is None and args.ab_pause == "records":
         raise SystemExit("profile --ab-blocks: no KV ring in this process (run a variant that records KV accesses)")
-    pause = KvtracePause() if args.ab_pause == "all" else None
+    pause = KvtracePause(ring) if args.ab_pause == "all" else None
     if args.ab_pause == "all" and not pause.probes:
         raise SystemExit("profile --ab-pause all: no kvtrace probe in this process (run a recorded variant)")
     engine, size = llm.llm_engine, args.ab_blocks
@@ -255,7 +257,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         return out
 
     engine.step = timed_step
-    rows0, cpu0, t0, cpus0 = drained_rows(ring) if ring is not None else 0, sum(kvtrace_threads_cpu_s()), time.perf_counter(), machine_cpu()
+    rows0, cpu0, t0, cpus0 = drained_rows(ring), sum(kvtrace_threads_cpu_s()), time.perf_counter(), machine_cpu()
     for rep in range(args.reps):
         llm.generate(prompts(rep), params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -266,7 +268,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         ring.sample_every = 1
     Path(args.result).write_text(json.dumps({"block_steps": size, "calls": calls, "wall_s": seconds,
                                              "paused": args.ab_pause,
-                                             "rows": drained_rows(ring) - rows0 if ring is not None else 0,
+                                             "rows": drained_rows(ring) - rows0,
                                              "threads_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu0,
                                              "probe_faults": pause.faults() if pause is not None else {},
                                              "machine_cpu": machine_cpu_delta(cpus0)}))

@@ -65,8 +65,7 @@ def test_pausing_all_of_kvtrace_switches_every_probe_and_clears_the_device_flag_
     probes = [FakeProbe("scheduler"), FakeProbe("kv_blocks"), FakeProbe("connector", enabled=False)]
     ring = FakeRing()
     monkeypatch.setattr(lifecycle, "installed", lambda: probes)
-    monkeypatch.setattr(profile, "kv_ring", lambda: ring)
-    pause = profile.KvtracePause()
+    pause = profile.KvtracePause(ring)
     assert [p.name for p in pause.probes] == ["scheduler", "kv_blocks"]  # a probe already off stays off
     pause.set(True)
     assert ring.calls == [] and all(p.enabled for p in pause.probes)
