@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.run import have_vllm, record_workload
+from tests.helpers.run import STD_RECORD_ARGS, have_vllm, record_workload
 
 # Child processes find the environment's scripts (`vllm`, `kvtrace`) as in an activated venv, also when
 # the tests run as `.venv/bin/python -m pytest` (what `make test` and CI do).
@@ -53,5 +53,4 @@ def recorded_run(tiny_model, tmp_path_factory) -> dict:
     Returns {"session": Path, "db": Path, "metrics": {"vllm": {...vLLM's counters...}, "runs": [...]}}.
     """
     tmp = tmp_path_factory.mktemp("recorded")
-    return record_workload(tmp, "std", tiny_model, [],
-                           ["--kv-granularity", "blocks", "--kv-layers", "all"])
+    return record_workload(tmp, "std", tiny_model, [], STD_RECORD_ARGS)

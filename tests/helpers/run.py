@@ -60,6 +60,10 @@ def query(db: Path, sql: str, params: list | None = None) -> list[tuple]:
         con.close()
 
 
+# How conftest's recorded_run records the standard workload: every probe, block records for every layer.
+STD_RECORD_ARGS = ["--kv-granularity", "blocks", "--kv-layers", "all"]
+
+
 def record_workload(tmp: Path, name: str, model: str, workload_args: list[str],
                     record_args: list[str] | None = None, env: dict | None = None) -> dict:
     """Record `python -m kvtrace.demo.workload` under `kvtrace record`, ingest it; returns paths and vLLM counters."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.run import REPO, query, record_workload, run_kvtrace
+from tests.helpers.run import REPO, STD_RECORD_ARGS, query, record_workload, run_kvtrace
 
 pytestmark = pytest.mark.vllm
 
@@ -126,6 +126,11 @@ TIMES = """select (max(finish_ns) - min(queued_ns)) / 1e9, avg(first_token_ns - 
 # more than the bound is made once more, and the better of the two is bounded (each is checked exactly).
 TIMED_ERROR = {"makespan": 0.35}
 MAX_TIMED_REPLAYS = 2
+# The real run can stall as well: on a 2-core machine shared with other work, a stretch of ~200 ms of
+# its decode steps took 5-12 ms each against 1.5 ms before and after (the later turns' makespan 0.31-0.34
+# s against 0.19-0.21 s in runs without one); the replays of such a run are 40% short of it. When both
+# replays miss, the workload is recorded once more, as recorded_run records it, and replayed against that.
+MAX_REAL_RUNS = 2
 # Stamps of the same process's probes, compared across the replay's own clock start (ns).
 STAMP_SLACK_NS = 500_000
 # Each replayed step is waited out to the fit's prediction for its tokens: its duration over that
@@ -140,23 +145,28 @@ QUEUED_AFTER_START = """select request_id, queued_ns - least((select min(t_start
                                                        (select min(queued_ns) from requests)) from requests"""
 
 
-def test_a_timed_replay_keeps_the_recordings_times(recorded_run, tmp_path):
+def test_a_timed_replay_keeps_the_recordings_times(recorded_run, tiny_model, tmp_path):
     """With --clock timed the replay runs in the recording's time: requests queued at their recorded
     times, each step as long as the recording's step-time fit says for its prefill and decode tokens
     (waited out where the forward pass would run). At the recording's own configuration the later
     turns' makespan comes out within TIMED_ERROR of the real run's, every request is queued at the first
     step boundary after its recorded time, and the replay's steps last what the fit predicts."""
-    ids = [r for r, in query(recorded_run["db"], LATER)]
-    real = query(recorded_run["db"], TIMES, [ids])[0]
     errors = []
-    for attempt in ("timed", "timed-again")[:MAX_TIMED_REPLAYS]:
-        db, timed = replayed_in_time(recorded_run, tmp_path / attempt, ids)
-        errors.append({name: abs(t - r) / r for name, r, t in zip(("makespan", "mean TTFT", "mean JCT"), real, timed)})
-        print(f"timed replay {attempt} vs real run (later turns): real {real}, replayed {timed}, errors {errors[-1]}")
-        assert timed[3] == real[3] == len(ids) > 0  # every one of them finished in both
-        if within_timed_error(errors[-1]):
-            break
-    assert any(within_timed_error(e) for e in errors), (real, errors)
+    runs = [recorded_run]
+    for run in runs:
+        ids = [r for r, in query(run["db"], LATER)]
+        real = query(run["db"], TIMES, [ids])[0]
+        for attempt in ("timed", "timed-again")[:MAX_TIMED_REPLAYS]:
+            out = tmp_path / f"run{len(runs)}-{attempt}"
+            db, timed = replayed_in_time(run, out, ids)
+            errors.append({name: abs(t - r) / r for name, r, t in zip(("makespan", "mean TTFT", "mean JCT"), real, timed)})
+            print(f"timed replay {out.name} vs real run (later turns): real {real}, replayed {timed}, errors {errors[-1]}")
+            assert timed[3] == real[3] == len(ids) > 0  # every one of them finished in both
+            if within_timed_error(errors[-1]):
+                return
+        if len(runs) < MAX_REAL_RUNS:  # the real run itself stalled (see TIMED_ERROR): record it again
+            runs.append(record_workload(tmp_path, "std-again", tiny_model, [], STD_RECORD_ARGS))
+    raise AssertionError(f"no timed replay within {TIMED_ERROR} of its real run: {errors}")
 
 
 def within_timed_error(errors: dict[str, float]) -> bool:
