@@ -8,6 +8,7 @@
 #   CASES="v2-full-flash or cpu_offload" bash bench/gpu_overhead.sh vllm   # other cases (pytest -k)
 #   AB_PAUSE=all VARIANTS=default REPS=90 bash bench/gpu_overhead.sh ab   # all of kvtrace on / off by blocks
 #   AB_PAUSE=all VARIANTS=default,host-only REPS=100 bash bench/gpu_overhead.sh ab-gpus  # the same, a GPU each
+#   AB_CALLS=1 AB_PAUSE=all ... bash bench/gpu_overhead.sh ab   # also vLLM's methods timed by block (--ab-calls)
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)
 #   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side
@@ -49,7 +50,7 @@ for stage in "$@"; do
             -k "${CASES:-v2-default-flash or v1-default-flash or v2-eager-flash}" ;;
     ab)
         run ab 560 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${VARIANTS:-default,all-layers}" \
-            --ab-blocks 16 --ab-pause "${AB_PAUSE:-records}" --reps "${REPS:-10}" --out "$OUT/ab" ;;
+            --ab-blocks 16 --ab-pause "${AB_PAUSE:-records}" ${AB_CALLS:+--ab-calls} --reps "${REPS:-10}" --out "$OUT/ab" ;;
     gil)
         run gil 540 env KVTRACE_GIL_RATE_HZ=1000 python3 bench/profile_engine_thread.py --shape "$SHAPE" \
             --variants "${VARIANTS:-default,host-only,all-layers}" --threads --reps "${REPS:-3}" --py-spy "${KVTRACE_PY_SPY:-}" \
@@ -73,7 +74,7 @@ for stage in "$@"; do
         for i in "${!vs[@]}"; do
             CUDA_VISIBLE_DEVICES=$i timeout 570 taskset -c "$((i * n / k))-$(((i + 1) * n / k - 1))" \
                 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${vs[$i]}" --ab-blocks 16 \
-                --ab-pause "${AB_PAUSE:-all}" --reps "${REPS:-10}" --timeout 560 --out "$OUT/ab-gpus" \
+                --ab-pause "${AB_PAUSE:-all}" ${AB_CALLS:+--ab-calls} --reps "${REPS:-10}" --timeout 560 --out "$OUT/ab-gpus" \
                 >"$OUT/ab-gpus-${vs[$i]}.log" 2>&1 &
             pids+=($!)
         done

@@ -52,6 +52,13 @@ kernels) and the background threads' work (the GIL they hold: `--threads --py-sp
 none` switches nothing (an A/A: the noise and bias of the pairing itself). A probe that fails during the
 run (switched off for good) spoils the comparison: the report says so.
 
+`--ab-calls` (with `--ab-blocks`) also times vLLM's own methods on the engine thread per call, each call
+in its block (AB_CALLS: the scheduler's `schedule` and `update_from_output`, the KV-cache manager's
+`allocate_slots`, the block pool's methods, the model runner's `execute_model`): kvtrace's patches are
+in place in both kinds of block, so a method's time with kvtrace on minus off, over the same pairs, is
+what kvtrace adds inside it (its wrapper's handlers, its block-pool hooks, the worker's per-step hook),
+with an interval over the pairs; the timers' own cost (~0.3 us a call) is the same in both.
+
 `--hook-times` (with `--threads`) times kvtrace's per-step calls on the engine thread over the same
 window, each wrapped in a `perf_counter_ns` pair (~0.2 us a call of its own): the KV ring's
 `begin_step`, `record_layer` and `drain`, and inside them its kernel launches (`begin_step`'s apart from
@@ -69,6 +76,7 @@ import io
 import json
 import os
 import pstats
+import random
 import shutil
 import statistics
 import subprocess
@@ -226,6 +234,97 @@ class KvtracePause:
         return {p.name: p.faults for p in self.probes if p.faults}
 
 
+# --ab-calls: vLLM's own methods on the engine thread, each call timed in its block of --ab-blocks. kvtrace's
+# patches stay in place in both kinds of block (switched off in one), so a method's time on minus off is
+# what kvtrace adds inside it: its wrapper's handlers (schedule, update_from_output), its block-pool hooks
+# (the BlockPool methods; allocate_slots holds most of their calls), the worker's per-step hook (execute_model:
+# the ring's begin_step and batch slots).
+AB_CALLS = (
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots"),
+    ("vllm.v1.core.block_pool", "BlockPool", "get_new_blocks"),
+    ("vllm.v1.core.block_pool", "BlockPool", "cache_full_blocks"),
+    ("vllm.v1.core.block_pool", "BlockPool", "free_blocks"),
+    ("vllm.v1.core.block_pool", "BlockPool", "touch"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model"),
+)
+
+
+class BlockCallTimes:
+    """`--ab-calls`: each of AB_CALLS that this process has loaded, wrapped (a class attribute over
+    kvtrace's patch, a `perf_counter_ns` pair a call, ~0.3 us of its own, the same in both kinds of
+    block), its calls' ns summed per block of steps (`block[0]`, set by the step loop)."""
+
+    def __init__(self, block: list[int]) -> None:
+        self.block = block
+        self.ns: dict[str, dict[int, list[int]]] = {}  # method -> block -> [ns, calls]
+        self._restore: list[tuple[type, str, object]] = []
+        for module, cls_name, meth in AB_CALLS:
+            cls = getattr(sys.modules.get(module), cls_name, None)
+            if cls is None or meth not in cls.__dict__:
+                continue
+            name = f"{cls_name}.{meth}" + (" (runner V2)" if module.endswith("gpu.model_runner") else "")
+            self._wrap(cls, meth, name)
+
+    def _wrap(self, cls: type, meth: str, name: str) -> None:
+        fn = cls.__dict__[meth]  # vLLM's function, kvtrace's wrapper of it, or its C hook
+        sums = self.ns.setdefault(name, {})
+        block, clock = self.block, time.perf_counter_ns
+
+        def timed(*args, **kwargs):
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = clock() - t
+                cur = sums.get(block[0])
+                if cur is None:
+                    sums[block[0]] = [dt, 1]
+                else:
+                    cur[0] += dt
+                    cur[1] += 1
+        self._restore.append((cls, meth, fn))
+        setattr(cls, meth, timed)
+
+    def remove(self) -> None:
+        for cls, meth, fn in reversed(self._restore):
+            setattr(cls, meth, fn)
+        self._restore.clear()
+
+
+def ab_calls_report(r: dict, pairs: list[tuple[int, int, int, int]]) -> list[str]:
+    """Per method of `--ab-calls`: its us per engine step with kvtrace on and off, and on minus off with a
+    95% bootstrap interval over the pairs of blocks (`pairs`: (on block, off block, its steps each)) that the
+    step ratio used."""
+    lines = []
+    for name, by_block in sorted((r.get("call_times") or {}).items()):
+        by_block = {int(b): v for b, v in by_block.items()}  # JSON made the block numbers strings
+        diffs, on_us, off_us, on_calls = [], [], [], []
+        for on_b, off_b, on_steps, off_steps in pairs:
+            on, off = by_block.get(on_b, [0, 0]), by_block.get(off_b, [0, 0])
+            on_us.append(on[0] / 1e3 / on_steps)
+            off_us.append(off[0] / 1e3 / off_steps)
+            on_calls.append(on[1] / on_steps)
+            diffs.append(on_us[-1] - off_us[-1])
+        if not diffs or not any(on_calls):
+            continue
+        mean, lo, hi = mean_ci(diffs)
+        lines.append(f"  {name}: {statistics.fmean(on_calls):.2f} calls a step; {statistics.fmean(on_us):.1f} us a step "
+                     f"kvtrace on, {statistics.fmean(off_us):.1f} off: on - off {mean:+.1f} us [{lo:+.1f}, {hi:+.1f}]")
+    return (["  vLLM's methods timed in the same blocks (--ab-calls; nested: schedule's time holds allocate_slots', "
+             "which holds the block pool's):"] + lines
+            if lines else [])
+
+
+def mean_ci(xs: list[float], n_boot: int = 4000) -> tuple[float, float, float]:
+    """Mean of `xs`, with a 95% bootstrap interval."""
+    rng = random.Random(0)
+    boots = sorted(statistics.fmean(rng.choice(xs) for _ in xs) for _ in range(n_boot))
+    return statistics.fmean(xs), boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]
+
+
 def ab_blocks_worker(args, llm, params, prompts) -> None:
     """Engine steps in blocks of `--ab-blocks`, the ring recording in one block of each pair and paused in
     the other (the order alternating between pairs), over `--reps` repetitions of the workload; every
@@ -240,11 +339,13 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         raise SystemExit("profile --ab-pause all: no kvtrace probe in this process (run a recorded variant)")
     engine, size = llm.llm_engine, args.ab_blocks
     original, calls, count = engine.step, [], [0]
+    current = [-1]  # the block of the step running now (--ab-calls)
+    methods = BlockCallTimes(current) if args.ab_calls else None
 
     def timed_step():
         n = count[0]
         count[0] += 1
-        block = n // size
+        block = current[0] = n // size
         recording = block_records(block)
         if pause is not None:
             pause.set(recording)
@@ -262,6 +363,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         llm.generate(prompts(rep), params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     engine.step = original
+    if methods is not None:
+        methods.remove()
     if pause is not None:
         pause.set(True)
     if ring is not None:
@@ -271,6 +374,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              "rows": drained_rows(ring) - rows0,
                                              "threads_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu0,
                                              "probe_faults": pause.faults() if pause is not None else {},
+                                             "call_times": methods.ns if methods is not None else None,
                                              "machine_cpu": machine_cpu_delta(cpus0)}))
 
 
@@ -288,10 +392,12 @@ AB_SKIP = 2
 
 def ab_blocks_report(variant: str, r: dict) -> str:
     blocks: dict[int, tuple[bool, list[int]]] = {}
+    steps_in: dict[int, int] = {}  # block -> its steps, the first AB_SKIP too (--ab-calls times them all)
     for block, recording, pos, ns in r["calls"]:
+        steps_in[block] = steps_in.get(block, 0) + 1
         if pos >= AB_SKIP:
             blocks.setdefault(block, (recording, []))[1].append(ns)
-    ratios, med_ratios, on_ms, off_ms, mixed = [], [], [], [], 0
+    ratios, med_ratios, on_ms, off_ms, mixed, kept = [], [], [], [], 0, []
     for pair in range(0, max(blocks, default=-1) + 1, 2):
         a, b = blocks.get(pair), blocks.get(pair + 1)
         if not a or not b or not a[1] or not b[1] or a[0] == b[0]:
@@ -300,6 +406,8 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             mixed += 1
             continue
         on, off = (a, b) if a[0] else (b, a)
+        on_b, off_b = (pair, pair + 1) if a[0] else (pair + 1, pair)
+        kept.append((on_b, off_b, steps_in[on_b], steps_in[off_b]))
         on_mean, off_mean = statistics.fmean(on[1]) / 1e6, statistics.fmean(off[1]) / 1e6
         ratios.append(off_mean / on_mean)  # throughput recording / paused: time paused over time recording
         med_ratios.append(statistics.median(off[1]) / statistics.median(on[1]))
@@ -320,7 +428,7 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"{statistics.fmean(on_ms):.3f} ms {on_name}, {statistics.fmean(off_ms):.3f} ms {off_name}; {steps} steps "
             f"in {r['wall_s']:.1f} s; rows drained {r['rows']}; kvtrace threads' CPU "
             f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window (spread over both kinds of block)"
-            + machine_note(r) + spoilt)
+            + machine_note(r) + spoilt + "".join("\n" + line for line in ab_calls_report(r, kept)))
 
 
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)
@@ -494,6 +602,9 @@ def main() -> None:
     ap.add_argument("--ab-pause", choices=sorted(PAUSE_NAMES), default="records",
                     help="with --ab-blocks, what the paused block switches off: the ring's records (records), "
                     "all of kvtrace (all), or nothing, an A/A (none)")
+    ap.add_argument("--ab-calls", action="store_true",
+                    help="with --ab-blocks: also time vLLM's scheduler, KV-cache manager, block-pool and model-runner "
+                    "methods per call in each block (what kvtrace adds inside each, on minus off)")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
@@ -519,6 +630,7 @@ def main() -> None:
                    *(["--threads"] if args.threads else []), *(["--ab"] if args.ab else []),
                    *(["--hook-times"] if args.hook_times else []),
                    *(["--ab-blocks", str(args.ab_blocks), "--ab-pause", args.ab_pause] if args.ab_blocks else []),
+                   *(["--ab-calls"] if args.ab_calls else []),
                    *(["--py-spy", args.py_spy] if args.py_spy else [])]
             if bgt.VARIANTS[v] is not None:
                 cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session),

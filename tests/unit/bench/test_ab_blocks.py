@@ -92,3 +92,49 @@ def test_the_report_names_the_blocks_by_what_was_paused_and_says_when_a_probe_fa
     assert "PROBES FAILED during the run" in text and "scheduler (1)" in text
     assert "A / A again" in profile.ab_blocks_report("default", {**r, "paused": "none"})
     assert "recording / paused" in profile.ab_blocks_report("default", {k: v for k, v in r.items() if k != "paused"})
+
+
+def test_the_methods_timed_by_block_say_what_kvtrace_adds_inside_each(profile):
+    """--ab-calls: a method's us per step in the kvtrace-on blocks against the off blocks of the same
+    pairs, with a bootstrap interval, and its calls per step; pairs the step ratio left out are left out."""
+    size = 4
+    blocks = [[10.0] * size for _ in range(6)]
+    blocks[5][3] = 60.0  # the third pair holds a prefill: left out here too
+    times = {}
+    for block in range(6):
+        on = profile.block_records(block)
+        # 2 calls a step, 30 us each on, 25 off (the third pair's would read +1000 us: it must not count)
+        per_call = 30_000 if on else 25_000
+        if block in (4, 5) and on:
+            per_call = 1_000_000
+        times[str(block)] = [2 * size * per_call, 2 * size]
+    r = {"block_steps": size, "calls": calls_of(profile, blocks, size), "wall_s": 1.0, "rows": 0,
+         "threads_cpu_s": 0.0, "paused": "all", "probe_faults": {}, "call_times": {"BlockPool.get_new_blocks": times}}
+    text = profile.ab_blocks_report("default", r)
+    line = next(x for x in text.splitlines() if "BlockPool.get_new_blocks" in x)
+    assert "2.00 calls a step; 60.0 us a step kvtrace on, 50.0 off: on - off +10.0 us [+10.0, +10.0]" in line, line
+    # no call times: no such lines
+    assert "--ab-calls" not in profile.ab_blocks_report("default", {**r, "call_times": None})
+
+
+def test_block_call_times_wrap_vllms_methods_and_put_them_back(profile):
+    """On vLLM's real classes (the CPU build): each loaded method of AB_CALLS wrapped, its calls counted
+    in the block that was current, and the class attributes restored after."""
+    pytest.importorskip("vllm")
+    from vllm.v1.core.block_pool import BlockPool
+
+    before = BlockPool.__dict__["get_new_blocks"]
+    block = [3]
+    times = profile.BlockCallTimes(block)
+    try:
+        assert "BlockPool.get_new_blocks" in times.ns and BlockPool.__dict__["get_new_blocks"] is not before
+        pool = BlockPool(num_gpu_blocks=8, enable_caching=False, hash_block_size=16)
+        pool.get_new_blocks(2)
+        block[0] = 4
+        pool.get_new_blocks(1)
+        pool.get_new_blocks(1)
+        counts = {b: calls for b, (ns, calls) in times.ns["BlockPool.get_new_blocks"].items()}
+        assert counts == {3: 1, 4: 2}
+    finally:
+        times.remove()
+    assert BlockPool.__dict__["get_new_blocks"] is before
