@@ -11,6 +11,7 @@
 #   AB_CALLS=1 AB_PAUSE=all ... bash bench/gpu_overhead.sh ab   # also vLLM's methods timed by block (--ab-calls)
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)
+#   DRIVER_PROBE=1 VARIANTS=default bash bench/gpu_overhead.sh hooks   # and three more CUDA calls after begin_step
 #   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side
 #   bash bench/gpu_overhead.sh pairs                # two GPUs: each variant beside plain at the same time
 #   bash bench/gpu_overhead.sh speed                # how steady the CPUs run identical work (no GPU use)
@@ -58,7 +59,7 @@ for stage in "$@"; do
     hooks)
         # apart from the gil stage: the timers' own frames would count in its GIL shares
         run hooks 420 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${VARIANTS:-default,host-only}" \
-            --threads --hook-times --reps "${REPS:-3}" $WORKLOAD --out "$OUT/hooks" ;;
+            --threads --hook-times ${DRIVER_PROBE:+--driver-probe} --reps "${REPS:-3}" $WORKLOAD --out "$OUT/hooks" ;;
     throughput)
         run throughput 560 python3 bench/bench_gpu_throughput.py --shapes "$SHAPE" --together \
             --variants "${VARIANTS:-plain,host-only,default,all-layers}" --rounds 1 --reps "${REPS:-10}" --out "$OUT/tp" ;;

@@ -162,6 +162,48 @@ class HookTimes:
         return out
 
 
+class DriverProbe:
+    """`--driver-probe` (with `--hook-times`, a variant with the CUDA ring): after each `begin_step`, three
+    more CUDA calls on the same stream, each timed: the same `kv_set_state` launch again (idempotent: the
+    same step and flag, one more head snapshot), a 16-byte host-to-device copy from pinned memory, and an
+    event record, in an order that turns every step. What each costs beside the running engine, next to
+    `begin_step`'s own launch: whether a call is slow because it is the step's first (cold) or because any
+    call waits there (the driver's lock), which decides what could replace the per-step launch."""
+
+    OPS = ("state launch again", "16 B copy to the device", "event record")
+
+    def __init__(self, ring, launch, ns: dict[str, list[int]]) -> None:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        self.ring, self.launch, self.ns, self.rt, self.turn = ring, launch, ns, rt, 0
+        self.src = cupy.cuda.alloc_pinned_memory(16)
+        self.dst = cupy.cuda.alloc(16)
+        self.event = rt.eventCreateWithFlags(2)  # cudaEventDisableTiming
+        inner = ring.begin_step
+
+        def begin_step(step, record=True):
+            inner(step, record)
+            self.after_begin_step()
+        ring.begin_step = begin_step
+
+    def after_begin_step(self) -> None:
+        ring, rt, clock = self.ring, self.rt, time.perf_counter_ns
+        stream = ring._current_stream()
+        ops = {
+            "state launch again": lambda: self.launch(ring._f_state, 1, 1, 1, 32, 1, 1, 0, stream,
+                                                      ring._state_launch.params_addr, 0),
+            "16 B copy to the device": lambda: rt.memcpyAsync(self.dst.ptr, self.src.ptr, 16, 1, stream),
+            "event record": lambda: rt.eventRecord(self.event, stream),
+        }
+        order = self.OPS[self.turn % 3:] + self.OPS[:self.turn % 3]
+        self.turn += 1
+        for name in order:
+            t = clock()
+            ops[name]()
+            self.ns.setdefault(f"driver: {name}", []).append(clock() - t)
+
+
 def hook_report(hooks: dict[str, dict[str, float]], steps: int) -> str:
     """One line: each timed call's us per engine step, and a call's median / p90 / p99 in us."""
     parts = [f"{name} {h['total_us'] / max(steps, 1):.1f} ({h['calls']} calls: {h['p50_us']:.1f} / "
@@ -534,7 +576,11 @@ def worker(args) -> None:
 
         Path(args.result + ".calls.json").write_text(json.dumps(WRAPPER_CALL_LINES))
     batches = [prompts(rep) for rep in range(args.reps)]
+    ring = kv_ring()
+    launch = getattr(ring, "_launch_kernel", None)  # the ring's own, before --hook-times wraps it
     hooks = HookTimes() if args.threads and args.hook_times else None
+    if hooks is not None and args.driver_probe and launch is not None:
+        DriverProbe(ring, launch, hooks.ns)
     prof = None if args.threads else cProfile.Profile()
     steps0, t0 = bgt.engine_steps(llm), time.perf_counter()
     main0, proc0, ours0, cpus0 = time.thread_time(), time.process_time(), kvtrace_threads_cpu_s(), machine_cpu()
@@ -594,6 +640,9 @@ def main() -> None:
     ap.add_argument("--hook-times", action="store_true",
                     help="with --threads: time kvtrace's per-step calls on the engine thread (begin_step, its "
                     "launch, record_layer, drain, the scheduler probe's handlers)")
+    ap.add_argument("--driver-probe", action="store_true",
+                    help="with --hook-times: after each begin_step, time three more CUDA calls on its stream (the "
+                    "state launch again, a 16-byte copy to the device, an event record)")
     ap.add_argument("--ab", action="store_true",
                     help="in one recorded process, --reps pairs of repetitions: the ring recording vs paused")
     ap.add_argument("--ab-blocks", type=int, default=0, metavar="STEPS",
@@ -629,6 +678,7 @@ def main() -> None:
                    "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                    *(["--threads"] if args.threads else []), *(["--ab"] if args.ab else []),
                    *(["--hook-times"] if args.hook_times else []),
+                   *(["--driver-probe"] if args.driver_probe else []),
                    *(["--ab-blocks", str(args.ab_blocks), "--ab-pause", args.ab_pause] if args.ab_blocks else []),
                    *(["--ab-calls"] if args.ab_calls else []),
                    *(["--py-spy", args.py_spy] if args.py_spy else [])]
