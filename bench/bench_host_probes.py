@@ -144,7 +144,8 @@ def measure(args: argparse.Namespace, verbose: bool = True) -> dict:
 
     names = tuple(n for n in args.probes.split(",") if n)
     model = str(ensure_tiny_model())
-    cfg = DrivenConfig(num_blocks=args.num_blocks, max_num_seqs=args.concurrency, max_num_batched_tokens=2048)
+    cfg = DrivenConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
+                       max_num_batched_tokens=2048)
     prompts = shared_prefix_prompts(args.requests, 8, args.prefix_tokens, args.suffix_tokens)
     tmp = tempfile.TemporaryDirectory(prefix="kvtrace-bench-host-")
     rec = Recorder(Path(tmp.name) / "session", "engine", {"flush_interval_s": args.flush_interval})
@@ -238,7 +239,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefix-tokens", type=int, default=512, help="shared prefix per family (tokens)")
     ap.add_argument("--suffix-tokens", type=int, default=64, help="own prompt tail per request (tokens)")
     ap.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
-    ap.add_argument("--num-blocks", type=int, default=900, help="KV pool (blocks of 32 tokens)")
+    ap.add_argument("--num-blocks", type=int, default=900, help="KV pool (blocks of --block-size tokens)")
+    ap.add_argument("--block-size", type=int, default=32, help="tokens per KV block (vLLM's CUDA default is 16)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvtrace.record.buffers import NATIVE_MISSING, native
 
     print(f"workload: {args.requests} requests, {args.concurrency} in flight, prefix {args.prefix_tokens} + "
-          f"{args.suffix_tokens} tokens, {args.max_tokens} out, pool {args.num_blocks} blocks of 32; "
+          f"{args.suffix_tokens} tokens, {args.max_tokens} out, pool {args.num_blocks} blocks of {args.block_size}; "
           f"hot path {'native' if native() else 'python: ' + NATIVE_MISSING}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     if args.processes <= 1:
@@ -349,7 +351,8 @@ def profile(args: argparse.Namespace) -> int:
     from kvtrace.record.recorder import Recorder
 
     names = tuple(n for n in args.probes.split(",") if n)
-    cfg = DrivenConfig(num_blocks=args.num_blocks, max_num_seqs=args.concurrency, max_num_batched_tokens=2048)
+    cfg = DrivenConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
+                       max_num_batched_tokens=2048)
     prompts = shared_prefix_prompts(args.requests, 8, args.prefix_tokens, args.suffix_tokens)
     with tempfile.TemporaryDirectory(prefix="kvtrace-bench-host-") as tmp:
         rec = Recorder(Path(tmp) / "session", "engine", {})

@@ -252,10 +252,11 @@ def measure(args: argparse.Namespace, stretch: int) -> int:
 
     names = tuple(n for n in args.probes.split(",") if n)
     model = str(ensure_tiny_model())
-    cfg = DrivenConfig(num_blocks=args.num_blocks, max_num_seqs=args.concurrency, max_num_batched_tokens=2048, block_size=int(os.environ.get("BS", "32")))
+    cfg = DrivenConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
+                       max_num_batched_tokens=2048)
     prompts = shared_prefix_prompts(args.requests, 8, args.prefix_tokens, args.suffix_tokens)
     print(f"workload: {args.requests} requests, {args.concurrency} in flight, prefix {args.prefix_tokens} + "
-          f"{args.suffix_tokens} tokens, {args.max_tokens} out, pool {args.num_blocks} blocks of 32; "
+          f"{args.suffix_tokens} tokens, {args.max_tokens} out, pool {args.num_blocks} blocks of {args.block_size}; "
           f"probes {','.join(names) or '(none)'}; hot path {'native' if native() else 'python: ' + NATIVE_MISSING}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     tmp = tempfile.TemporaryDirectory(prefix="kvtrace-bench-steps-")
