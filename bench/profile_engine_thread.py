@@ -336,10 +336,10 @@ class BlockCallTimes:
         self._restore.clear()
 
 
-def ab_calls_report(r: dict, pairs: list[tuple[int, int, int, int]]) -> list[str]:
+def ab_calls_report(r: dict, pairs: list[tuple[int, int, int, int]], names: tuple[str, str]) -> list[str]:
     """Per method of `--ab-calls`: its us per engine step with kvtrace on and off, and on minus off with a
     95% bootstrap interval over the pairs of blocks (`pairs`: (on block, off block, its steps each)) that the
-    step ratio used."""
+    step ratio used; `names`: what the two kinds of block are called (PAUSE_NAMES)."""
     lines = []
     for name, by_block in sorted((r.get("call_times") or {}).items()):
         by_block = {int(b): v for b, v in by_block.items()}  # JSON made the block numbers strings
@@ -354,7 +354,7 @@ def ab_calls_report(r: dict, pairs: list[tuple[int, int, int, int]]) -> list[str
             continue
         mean, lo, hi = mean_ci(diffs)
         lines.append(f"  {name}: {statistics.fmean(on_calls):.2f} calls a step; {statistics.fmean(on_us):.1f} us a step "
-                     f"kvtrace on, {statistics.fmean(off_us):.1f} off: on - off {mean:+.1f} us [{lo:+.1f}, {hi:+.1f}]")
+                     f"{names[0]}, {statistics.fmean(off_us):.1f} {names[1]}: difference {mean:+.1f} us [{lo:+.1f}, {hi:+.1f}]")
     return (["  vLLM's methods timed in the same blocks (--ab-calls; nested: schedule's time holds allocate_slots', "
              "which holds the block pool's):"] + lines
             if lines else [])
@@ -470,7 +470,7 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"{statistics.fmean(on_ms):.3f} ms {on_name}, {statistics.fmean(off_ms):.3f} ms {off_name}; {steps} steps "
             f"in {r['wall_s']:.1f} s; rows drained {r['rows']}; kvtrace threads' CPU "
             f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window (spread over both kinds of block)"
-            + machine_note(r) + spoilt + "".join("\n" + line for line in ab_calls_report(r, kept)))
+            + machine_note(r) + spoilt + "".join("\n" + line for line in ab_calls_report(r, kept, (on_name, off_name))))
 
 
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)

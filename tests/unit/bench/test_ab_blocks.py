@@ -112,7 +112,9 @@ def test_the_methods_timed_by_block_say_what_kvtrace_adds_inside_each(profile):
          "threads_cpu_s": 0.0, "paused": "all", "probe_faults": {}, "call_times": {"BlockPool.get_new_blocks": times}}
     text = profile.ab_blocks_report("default", r)
     line = next(x for x in text.splitlines() if "BlockPool.get_new_blocks" in x)
-    assert "2.00 calls a step; 60.0 us a step kvtrace on, 50.0 off: on - off +10.0 us [+10.0, +10.0]" in line, line
+    assert "2.00 calls a step; 60.0 us a step kvtrace on, 50.0 kvtrace off: difference +10.0 us [+10.0, +10.0]" in line, line
+    aa = profile.ab_blocks_report("default", {**r, "paused": "none"})  # an A/A names its blocks A and A again
+    assert "60.0 us a step A, 50.0 A again: difference +10.0 us" in aa, aa
     # no call times: no such lines
     assert "--ab-calls" not in profile.ab_blocks_report("default", {**r, "call_times": None})
 
