@@ -403,15 +403,18 @@ def ratio_ci(plain: list[float], other: list[float], n_boot: int = 4000) -> tupl
             boots[int(0.975 * n_boot) - 1])
 
 
+def mean_ci(xs: list[float], n_boot: int = 4000) -> tuple[float, float, float]:
+    """Mean of `xs`, with a 95% bootstrap interval."""
+    rng = random.Random(0)
+    boots = sorted(statistics.fmean(rng.choice(xs) for _ in xs) for _ in range(n_boot))
+    return statistics.fmean(xs), boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]
+
+
 def paired_ci(ratios: list[float], n_boot: int = 4000) -> tuple[float, float, float]:
     """Geometric mean of paired ratios, with a 95% bootstrap interval over the pairs."""
     import math
 
-    rng = random.Random(0)
-    logs = [math.log(r) for r in ratios]
-    boots = sorted(statistics.fmean(rng.choice(logs) for _ in logs) for _ in range(n_boot))
-    return (math.exp(statistics.fmean(logs)), math.exp(boots[int(0.025 * n_boot)]),
-            math.exp(boots[int(0.975 * n_boot) - 1]))
+    return tuple(math.exp(x) for x in mean_ci([math.log(r) for r in ratios], n_boot))
 
 
 def report(shape: str, runs: dict[str, list[dict]], args) -> list[str]:

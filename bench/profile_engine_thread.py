@@ -76,7 +76,6 @@ import io
 import json
 import os
 import pstats
-import random
 import shutil
 import statistics
 import subprocess
@@ -352,19 +351,12 @@ def ab_calls_report(r: dict, pairs: list[tuple[int, int, int, int]], names: tupl
             diffs.append(on_us[-1] - off_us[-1])
         if not diffs or not any(on_calls):
             continue
-        mean, lo, hi = mean_ci(diffs)
+        mean, lo, hi = bgt.mean_ci(diffs)
         lines.append(f"  {name}: {statistics.fmean(on_calls):.2f} calls a step; {statistics.fmean(on_us):.1f} us a step "
                      f"{names[0]}, {statistics.fmean(off_us):.1f} {names[1]}: difference {mean:+.1f} us [{lo:+.1f}, {hi:+.1f}]")
     return (["  vLLM's methods timed in the same blocks (--ab-calls; nested: schedule's time holds allocate_slots', "
              "which holds the block pool's):"] + lines
             if lines else [])
-
-
-def mean_ci(xs: list[float], n_boot: int = 4000) -> tuple[float, float, float]:
-    """Mean of `xs`, with a 95% bootstrap interval."""
-    rng = random.Random(0)
-    boots = sorted(statistics.fmean(rng.choice(xs) for _ in xs) for _ in range(n_boot))
-    return statistics.fmean(xs), boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]
 
 
 def ab_blocks_worker(args, llm, params, prompts) -> None:
