@@ -9,7 +9,9 @@ timing, so the launch queue never fills), alternating over rounds in one process
 call, medians over rounds.
 
 - `begin_step`: the ring's own (auto drain off: the drain is measured by bench_kv_drain.py);
-- `native launch`: `_drain.c`'s `launch` alone (what begin_step calls where it is built; it keeps the GIL);
+- `native state launch`: `_drain.c`'s `state_launch` alone (what begin_step calls where it is built: the
+  argument struct's fields written and the launch, in one call that keeps the GIL);
+- `native launch`: `_drain.c`'s `launch` alone (the record kernels' launch where it is built);
 - `cupy launch`: CuPy's `driver.launchKernel` alone (what begin_step calls otherwise; it lets the GIL go);
 - `ctypes launch (GIL let go)` and `ctypes launch (GIL kept)`: cuLaunchKernel through ctypes' CDLL and PyDLL;
 - `host part`: begin_step's Python without the launch (`_set_step`, the capture check, the argument struct).
@@ -74,6 +76,10 @@ def main() -> None:
     }
     if native_launch is not None:
         variants["native launch"] = lambda i: native_launch(fn, 1, 1, 1, 32, 1, 1, 0, stream(), params, 0)
+    state_launch = getattr(ring._native, "state_launch", None) if native_launch is not None else None
+    if state_launch is not None:  # what begin_step calls where _drain.c is built: the struct and the launch
+        addr = ring._state_args_addr
+        variants["native state launch"] = lambda i: state_launch(fn, stream(), params, addr, i, True)
     results: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     for f in variants.values():  # warm-up
         timed(f, args.batch, args.batch)

@@ -165,6 +165,32 @@ def test_launch_passes_cupys_arguments_to_the_driver_and_says_its_errors():
 
 
 @native_only
+def test_state_launch_writes_the_step_into_the_struct_then_launches_the_state_kernel():
+    """begin_step's one native call: the ring's StateArgs (as cuda_ring lays it out) gets the step, the
+    sampling flag and set=1, and kv_set_state is launched with one thread on the stream, params as given."""
+    import ctypes
+
+    from kvtrace.probes.kv_access.cuda_ring import _Launch, _StateArgs
+
+    drv = FakeDriver()
+    native.set_launcher(drv.launch_addr)
+    args = _StateArgs(state=0xD000, step=0, active=0, set=0)
+    launch = _Launch(args, 1)
+    native.state_launch(21, 0xABC, launch.params_addr, ctypes.addressof(args), 123456789012, True)
+    assert (args.state, args.step, args.active, args.set) == (0xD000, 123456789012, 1, 1)
+    assert drv.calls == [("launch", 21, 1, 1, 1, 32, 1, 1, 0, 0xABC, launch.params_addr, None)]
+    native.state_launch(21, 0xABC, launch.params_addr, ctypes.addressof(args), -1, False)
+    assert (args.step, args.active, args.set) == (-1, 0, 1)
+    drv.launch_rc = 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        native.state_launch(21, 0, launch.params_addr, ctypes.addressof(args), 5, True)
+    with pytest.raises(ValueError, match="no argument struct"):
+        native.state_launch(21, 0, launch.params_addr, 0, 5, True)
+    with pytest.raises(TypeError, match="state_launch"):
+        native.state_launch(21, 0)
+
+
+@native_only
 @pytest.mark.parametrize("take_snapshot", [False, True])
 def test_a_drain_that_takes_its_own_snapshot_reads_the_state_words_first(take_snapshot):
     """The background thread's timed drains (take_snapshot): the state words are copied to the snapshot

@@ -309,7 +309,49 @@ static PyObject *launch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
 }
 
+/* state_launch(f, stream, params, args, step, active): a ring's per-step `kv_set_state` launch in one call.
+   `args` is the address of the ring's StateArgs struct (cuda_ring.py `_StateArgs`: state pointer at 0,
+   step int64 at 8, active int32 at 16, set int32 at 20) and `params` the kernelParams array pointing at it;
+   the step and flags are written there, then the 1-thread kernel is launched on `stream` with the GIL kept
+   (cuLaunchKernel copies the arguments at the launch). The same as setting the struct's fields through
+   ctypes and calling `launch`, without the three ctypes stores and eleven arguments: the engine's thread
+   calls this once a step. */
+static PyObject *state_launch(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "state_launch(f, stream, params, args, step, active)");
+        return NULL;
+    }
+    if (cu_launch == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "state_launch: set_launcher was not called");
+        return NULL;
+    }
+    unsigned long long f = PyLong_AsUnsignedLongLong(args[0]), stream = PyLong_AsUnsignedLongLong(args[1]);
+    unsigned long long params = PyLong_AsUnsignedLongLong(args[2]), where = PyLong_AsUnsignedLongLong(args[3]);
+    long long step = PyLong_AsLongLong(args[4]);
+    int active = PyObject_IsTrue(args[5]);
+    if (PyErr_Occurred() || active < 0)
+        return NULL;
+    if (where == 0) {
+        PyErr_SetString(PyExc_ValueError, "state_launch: no argument struct");
+        return NULL;
+    }
+    char *a = (char *)(uintptr_t)where;
+    int32_t flags[2] = {active, 1};
+    memcpy(a + 8, &step, sizeof step);
+    memcpy(a + 16, flags, sizeof flags);
+    int rc = cu_launch((void *)(uintptr_t)f, 1, 1, 1, 32, 1, 1, 0, (void *)(uintptr_t)stream,
+                       (void **)(uintptr_t)params, NULL);
+    if (rc) {
+        PyErr_Format(PyExc_RuntimeError, "cuLaunchKernel failed: CUresult %d", rc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"state_launch", (PyCFunction)(void (*)(void))state_launch, METH_FASTCALL,
+     "state_launch(f, stream, params, args, step, active): write a ring's step and flags into its StateArgs "
+     "struct and launch kv_set_state (1 thread) on the stream, with the GIL kept."},
     {"set_launcher", set_launcher, METH_O, "set_launcher(address of cuLaunchKernel): what launch calls."},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra): cuLaunchKernel with the GIL kept."},

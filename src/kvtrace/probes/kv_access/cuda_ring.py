@@ -10,7 +10,8 @@ Hot path (inference thread), per call:
     default) the launch goes to a side stream forked from the current one and joined at the next layer, so
     the replayed kernel runs beside attention rather than between two kernels.
   - `begin_step`: one 1-thread `kv_set_state` launch (step id and sampling flag into device memory, head
-    snapshot), nothing else: the drains are the background thread's.
+    snapshot), nothing else: the drains are the background thread's. Where `_drain.c` is built, one call
+    (`state_launch`) writes the launch's argument struct and launches.
 The engine thread's launches go through `_drain.c`'s `launch`, which keeps the GIL (CuPy's
 `driver.launchKernel`, used where the module is not built, lets it go, and the engine's thread then waits for
 whichever thread took it); other threads' (the clock anchors, `flush`) go through CuPy's, since a launch can
@@ -217,6 +218,7 @@ class CudaKVAccessRing(KVAccessRing):
                              self._tstage.data_ptr(), self._live_host.data_ptr(), self._copy_stream.cuda_stream,
                              self._copy_event.cuda_event)
         self._state_args = _StateArgs(state=self._state.data_ptr())
+        self._state_args_addr = ctypes.addressof(self._state_args)
         self._state_launch = _Launch(self._state_args, 1)
         self._timer_arg = ctypes.c_uint64(self._timer.data_ptr())
         self._timer_params = (ctypes.c_void_p * 1)(ctypes.addressof(self._timer_arg))
@@ -257,10 +259,15 @@ class CudaKVAccessRing(KVAccessRing):
                            "freeze the step id into the graph); call it before each replay instead")
             return
         self._pass_tensors = None  # a forward pass's metadata tensors are held within that pass only
-        a = self._state_args
-        a.step, a.active, a.set = self.step, int(self.active), 1
-        self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
-                            self._state_launch.params_addr, 0)
+        state_launch = self._state_launch_native
+        if state_launch is not None:  # the struct's fields and the launch in one call (`_drain.state_launch`)
+            state_launch(self._f_state, self._current_stream(), self._state_launch.params_addr,
+                         self._state_args_addr, self.step, self.active)
+        else:
+            a = self._state_args
+            a.step, a.active, a.set = self.step, int(self.active), 1
+            self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
+                                self._state_launch.params_addr, 0)
         if self._thread is None and self.auto_drain:
             self._start_thread()
 
@@ -275,8 +282,11 @@ class CudaKVAccessRing(KVAccessRing):
         if on and self._cu_fns is not None and hasattr(self._native, "launch"):
             self._native.set_launcher(self._cu_fns[3])
             self._launch_kernel = self._native.launch
+            # a module built before state_launch existed: begin_step sets the struct in Python instead
+            self._state_launch_native = getattr(self._native, "state_launch", None)
         else:
             self._launch_kernel = self._cupy_launch
+            self._state_launch_native = None
 
     # The background thread drains when this long has passed since its last drain, or sooner when the
     # records per second of the last two drains would fill a quarter of either ring first (the device head
