@@ -130,7 +130,8 @@ class AttentionProbe(Probe):
                 if not probe.enabled:
                     return orig(runner, scheduler_output, *args, **kwargs)
                 try:
-                    probe.rec.role = "worker"
+                    if probe.step < 0:  # until the first tagged step: a process that also schedules
+                        probe.rec.role = "worker"  # (tensor parallel 1) is named for its worker
                     # Our step id, put there by the scheduler probe. A forward pass without one (a
                     # warm-up or dummy run on fake requests) is run unrecorded: its rows would take the
                     # ids of real steps.
@@ -151,12 +152,17 @@ class AttentionProbe(Probe):
                 except Exception as exc:
                     probe.fail(exc)
                     return orig(runner, scheduler_output, *args, **kwargs)
-                with probe.nvtx_execute():
-                    try:
-                        result = orig(runner, scheduler_output, *args, **kwargs)
-                    finally:
-                        if probe.nvtx_layers:
-                            probe.nvtx_layer(None)
+                # NVTX ranges only where a profiler listens (asked each step: the scheduler probe may
+                # configure the module after this probe installs)
+                if probe.nvtx_layers or (_nvtx is not None and _nvtx.enabled()):
+                    with probe.nvtx_execute():
+                        try:
+                            result = orig(runner, scheduler_output, *args, **kwargs)
+                        finally:
+                            if probe.nvtx_layers:
+                                probe.nvtx_layer(None)
+                else:  # no range to open: no context manager's two calls a step
+                    result = orig(runner, scheduler_output, *args, **kwargs)
                 if probe.enabled and scheduler_output.total_num_scheduled_tokens:
                     try:
                         # a row per (step, slot) was 7.5-19 us a step at 256 requests (bench/

@@ -34,6 +34,7 @@ measured ~2% of a step). See bench/bench_host_probes.py.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from itertools import repeat
@@ -253,6 +254,10 @@ class SchedulerProbe(Probe):
         # wrapper costs an argument tuple, a dict and a C-level call each time). Each body names
         # vLLM's own parameters (checked by `targets()`); `{call}` calls the original.
         env = self.wrapper_env()
+        # vLLM 0.32+'s schedule(throttle_prefills=...), passed to prefill_hold by name where it exists
+        # (`locals()` would build the wrapper's frame object and a dict of its locals every step)
+        throttle = "throttle_prefills" if "throttle_prefills" in inspect.signature(Scheduler.schedule).parameters \
+            else "False"
         patch_exact(self, Scheduler, {
             "schedule": """
     if not probe.enabled:
@@ -260,7 +265,7 @@ class SchedulerProbe(Probe):
     t0 = _now()
     probe.preempted_this_step = 0
     try:
-        probe.seen = probe.prefill_hold({self}, locals())
+        probe.seen = probe.prefill_hold({self}, {throttle})
     except Exception as exc:
         probe.seen = None
         probe.fail(exc)
@@ -284,7 +289,7 @@ class SchedulerProbe(Probe):
         probe.on_schedule({self}, out, t0)
     except Exception as exc:
         probe.fail(exc)
-    return out""",
+    return out""".replace("{throttle}", throttle),
             "update_from_output": """
     if not probe.enabled:
         return {call}
@@ -524,13 +529,12 @@ class SchedulerProbe(Probe):
         ]
 
     @staticmethod
-    def prefill_hold(sched: Any, args: dict) -> str | None:
+    def prefill_hold(sched: Any, throttle: bool) -> str | None:
         """Whether schedule() will hold this step's prefills back, by vLLM's own test, read before the
         call: "prefill-throttle" (data-parallel balancing, `schedule(throttle_prefills=True)`, 0.32+),
         "prefill-cadence" (0.33's `prefill_schedule_interval`: prefills wait until that many steps have
         passed since the last one that carried a prefill), else None. Both need a decoding request
         in the batch; both stop when the last release step could not drain the queue."""
-        throttle = args.get("throttle_prefills", False)
         interval = getattr(sched, "local_prefill_interval", 1)
         if not throttle and interval <= 1:
             return None  # the usual case: one attribute read a step
