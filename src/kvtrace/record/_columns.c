@@ -211,19 +211,6 @@ static void str_free(StrCol *c) {
     buf_free(&c->valid);
 }
 
-/* Cut the column back to its first `rows` rows. */
-static void str_truncate(StrCol *c, Py_ssize_t rows) {
-    if (rows == 0) {
-        c->ends.n = c->data.n = c->valid.n = 0;
-        return;
-    }
-    c->ends.n = (rows + 1) * 4;
-    c->data.n = ((int32_t *)c->ends.p)[rows];
-    c->valid.n = (rows + 7) / 8;
-    if (rows & 7)
-        c->valid.p[rows >> 3] &= (char)((1 << (rows & 7)) - 1);
-}
-
 /* (offsets, data, validity bitmap) as bytes, and an empty column. */
 static PyObject *str_take(StrCol *c) {
     PyObject *out = Py_BuildValue("(NNN)", buf_take(&c->ends), buf_take(&c->data), buf_take(&c->valid));
@@ -437,25 +424,46 @@ static PyObject *py_caller_request_id(PyObject *mod, PyObject *args) {
 enum { EV_ALLOC, EV_FREE, EV_TOUCH, EV_CACHE, EV_EVICT, EV_HOLD, EV_RELEASE };
 static const char *const EVENT_NAMES[] = {"alloc", "free", "touch", "cache", "evict", "hold", "release"};
 
+/* One block_events row as the hot path writes it: everything but its request id's text, its block ids
+   and its hashes (each appended to a buffer of its own) in 32 bytes, two rows to a cache line. take()
+   turns the rows into Arrow's columns. Under a real engine each cache line a row touches is a likely
+   miss to DRAM (vLLM's own work in between evicts them): a row written as ten columns, each with its
+   own buffer tail and bookkeeping, cost ~1.1 us on an H100's host, where a packed row touches three
+   tails (bench/bench_block_rows.py, docs/performance.md). */
+typedef struct {
+    int64_t ts;
+    int64_t step;
+    int32_t ids_end;    /* the row's ids end here in `ids` (int32 elements) */
+    int32_t hashes_end; /* and its hashes in `hashes` (int64 elements) */
+    int32_t rid_end;    /* and its request id's UTF-8 in `rid_text` (bytes) */
+    int16_t group;
+    int8_t event;
+    uint8_t flags;      /* ROW_HASHED: the hashes are the row's; ROW_HAS_RID: it names a request */
+} BlockRow;
+#define ROW_HASHED 1
+#define ROW_HAS_RID 2
+
+/* The fields every row reads or writes come first, in as few cache lines as they fit. */
 typedef struct {
     PyObject_HEAD
-    PyObject *ctx;         /* kvtrace.probes.context.ctx: .step, .request_id (fallback attribution) */
-    PyObject *fallback_fn; /* the Python caller_request_id, where frames cannot be read here */
-    PyObject *hash_attr;   /* the KVCacheBlock attribute that holds its hash (str) */
-    SlotRef ctx_step, ctx_request_id, ctx_connector; /* ctx.step, .request_id, .connector (EngineContext slots) */
-    SlotRef block_id, block_hash; /* a KVCacheBlock's block_id and hash attribute (hash_attr) */
-    PyObject *pool_ref, *null_block; /* a weak reference to the last BlockPool seen by free/touch, and
-                                        its null block (a strong reference would keep a dropped pool) */
-    int in_alloc;          /* inside get_new_blocks: evictions wait for the allocation's row */
-    Buf pend_ids, pend_hashes;
     Py_ssize_t rows;
-    Buf ts, step, group /* int16 */, ids, ids_end, hashes, hashes_end, hashed;
-    StrCol event, rid;
+    Buf packed, rid_text, ids, hashes; /* BlockRow rows; request id bytes; int32 ids; int64 hashes */
+    PyObject *ctx;         /* kvtrace.probes.context.ctx: .step, .request_id (fallback attribution) */
+    SlotRef ctx_step;
+    SlotRef block_id, block_hash; /* a KVCacheBlock's block_id and hash attribute (hash_attr) */
     int64_t since_ns, flush_ns;
     Py_ssize_t flush_rows;
+    int in_alloc;          /* inside get_new_blocks: evictions wait for the allocation's row */
+    PyObject *route, *main_ref; /* see log_for */
+    PyObject *fallback_fn; /* the Python caller_request_id, where frames cannot be read here */
+    PyObject *hash_attr;   /* the KVCacheBlock attribute that holds its hash (str) */
+    SlotRef ctx_request_id, ctx_connector; /* ctx.request_id, .connector (EngineContext slots) */
+    PyObject *pool_ref, *null_block; /* a weak reference to the last BlockPool seen by free/touch, and
+                                        its null block (a strong reference would keep a dropped pool) */
+    Buf pend_ids, pend_hashes;
     /* Pools other than the engine's own (a CPU offload tier's BlockPool, say) log to their own BlockLog,
        which `route(pool)` returns: see log_for. Weak references, as for pool_ref. */
-    PyObject *route, *main_ref, *last_ref, *last_log;
+    PyObject *last_ref, *last_log;
 } BlockLog;
 
 static int hash64(PyObject *key, int64_t *out) {
@@ -518,25 +526,26 @@ static int block_row(BlockLog *self, int64_t t, int event, int32_t group, PyObje
     Py_ssize_t k;
     if (str_text(rid, &u, &k) < 0)
         return -1;
-    const char *name = EVENT_NAMES[event];
-    Py_ssize_t name_len = (Py_ssize_t)strlen(name);
-    if (buf_reserve(&self->ts, 8) < 0 || buf_reserve(&self->step, 8) < 0 || str_reserve(&self->event, name_len) < 0
-        || buf_reserve(&self->group, 2) < 0 || str_reserve(&self->rid, k) < 0
-        || buf_reserve(&self->ids_end, 8) < 0 || buf_reserve(&self->hashes_end, 8) < 0
-        || buf_reserve(&self->hashed, 1) < 0)
+    if (self->rid_text.n + k > INT32_MAX || self->ids.n / 4 > INT32_MAX || self->hashes.n / 8 > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "block_events rows past 2^31 offsets between two takes");
         return -1;
-    if (self->ids_end.n == 0) { /* list offsets: a leading 0, as Arrow lays them out */
-        STORE(&self->ids_end, int32_t, 0);
-        STORE(&self->hashes_end, int32_t, 0);
     }
-    STORE(&self->ts, int64_t, t);
-    STORE(&self->step, int64_t, step);
-    str_write(&self->event, self->rows, name, name_len);
-    STORE(&self->group, int16_t, group);
-    str_write(&self->rid, self->rows, u, k);
-    STORE(&self->ids_end, int32_t, self->ids.n / 4);
-    STORE(&self->hashes_end, int32_t, self->hashes.n / 8);
-    bitmap_set(&self->hashed, self->rows, hashed);
+    if (buf_reserve(&self->packed, sizeof(BlockRow)) < 0 || buf_reserve(&self->rid_text, k) < 0)
+        return -1;
+    BlockRow *r = (BlockRow *)(self->packed.p + self->packed.n);
+    if (u != NULL) {
+        memcpy(self->rid_text.p + self->rid_text.n, u, k);
+        self->rid_text.n += k;
+    }
+    r->ts = t;
+    r->step = step;
+    r->ids_end = (int32_t)(self->ids.n / 4);
+    r->hashes_end = (int32_t)(self->hashes.n / 8);
+    r->rid_end = (int32_t)self->rid_text.n;
+    r->group = (int16_t)group;
+    r->event = (int8_t)event;
+    r->flags = (hashed ? ROW_HASHED : 0) | (u != NULL ? ROW_HAS_RID : 0);
+    self->packed.n += sizeof(BlockRow);
     self->rows++;
     return 0;
 }
@@ -706,12 +715,9 @@ static int BlockLog_init(BlockLog *self, PyObject *args, PyObject *kw) {
 }
 
 static void block_free_columns(BlockLog *self) {
-    Buf *bufs[] = {&self->ts, &self->step, &self->group, &self->ids, &self->ids_end, &self->hashes,
-                   &self->hashes_end, &self->hashed};
+    Buf *bufs[] = {&self->packed, &self->rid_text, &self->ids, &self->hashes};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         buf_free(bufs[i]);
-    str_free(&self->event);
-    str_free(&self->rid);
     self->rows = 0;
 }
 
@@ -942,18 +948,70 @@ undo:
     return NULL;
 }
 
-/* The rows so far as column buffers (dict), and an empty log; None when there are none. */
+/* The packed rows as Arrow's column buffers: fixed-width columns, (offsets, data, validity) for the two
+   string columns, list offsets with their leading 0. Returns 0, or -1 with an exception. */
+static int block_columns(BlockLog *self, Buf *ts, Buf *step, StrCol *event, Buf *group, StrCol *rid, Buf *ids_end,
+                         Buf *hashes_end, Buf *hashed) {
+    Py_ssize_t n = self->rows;
+    Py_ssize_t event_bytes = 0;
+    const BlockRow *rows = (const BlockRow *)self->packed.p;
+    for (Py_ssize_t i = 0; i < n; i++)
+        event_bytes += (Py_ssize_t)strlen(EVENT_NAMES[rows[i].event]);
+    Py_ssize_t bits = (n + 7) / 8;
+    if (buf_reserve(ts, 8 * n) < 0 || buf_reserve(step, 8 * n) < 0 || buf_reserve(group, 2 * n) < 0
+        || buf_reserve(ids_end, 4 * (n + 1)) < 0 || buf_reserve(hashes_end, 4 * (n + 1)) < 0
+        || buf_reserve(hashed, bits) < 0 || buf_reserve(&event->ends, 4 * (n + 1)) < 0
+        || buf_reserve(&event->data, event_bytes) < 0 || buf_reserve(&event->valid, bits) < 0
+        || buf_reserve(&rid->ends, 4 * (n + 1)) < 0 || buf_reserve(&rid->valid, bits) < 0)
+        return -1;
+    STORE(ids_end, int32_t, 0);
+    STORE(hashes_end, int32_t, 0);
+    STORE(&rid->ends, int32_t, 0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const BlockRow *r = &rows[i];
+        STORE(ts, int64_t, r->ts);
+        STORE(step, int64_t, r->step);
+        STORE(group, int16_t, r->group);
+        STORE(ids_end, int32_t, r->ids_end);
+        STORE(hashes_end, int32_t, r->hashes_end);
+        bitmap_set(hashed, i, r->flags & ROW_HASHED);
+        const char *name = EVENT_NAMES[r->event];
+        str_write(event, i, name, (Py_ssize_t)strlen(name));
+        bitmap_set(&rid->valid, i, r->flags & ROW_HAS_RID);
+        STORE(&rid->ends, int32_t, r->rid_end);
+    }
+    return 0;
+}
+
+/* The rows so far as column buffers (dict), and an empty log; None when there are none. Without memory
+   for the columns the rows stay for the next take (MemoryError). */
 static PyObject *BlockLog_take_raw(BlockLog *self, PyObject *unused) {
     self->since_ns = now_ns();
     if (self->rows == 0)
         Py_RETURN_NONE;
+    Buf ts = {0}, step = {0}, group = {0}, ids_end = {0}, hashes_end = {0}, hashed = {0};
+    StrCol event = {{0}}, rid = {{0}};
+    if (block_columns(self, &ts, &step, &event, &group, &rid, &ids_end, &hashes_end, &hashed) < 0) {
+        Buf *temps[] = {&ts, &step, &group, &ids_end, &hashes_end, &hashed};
+        for (size_t i = 0; i < sizeof temps / sizeof temps[0]; i++)
+            buf_free(temps[i]);
+        str_free(&event);
+        str_free(&rid);
+        return NULL;
+    }
+    Py_ssize_t rows = self->rows, packed = self->packed.n, text = self->rid_text.n;
+    rid.data = self->rid_text; /* the request ids' bytes are the column's data as they are */
+    self->rid_text = (Buf){0};
+    /* Every buffer is handed over (N) or freed, the call failing or not. */
     PyObject *out = Py_BuildValue(
-        "{s:n,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "rows", self->rows, "ts_ns", buf_take(&self->ts),
-        "step", buf_take(&self->step), "event", str_take(&self->event), "kv_group", buf_take(&self->group),
-        "request_id", str_take(&self->rid), "ids", buf_take(&self->ids), "ids_end", buf_take(&self->ids_end),
-        "hashes", buf_take(&self->hashes), "hashes_end", buf_take(&self->hashes_end), "hashed",
-        buf_take(&self->hashed));
+        "{s:n,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N}", "rows", rows, "ts_ns", buf_take(&ts),
+        "step", buf_take(&step), "event", str_take(&event), "kv_group", buf_take(&group),
+        "request_id", str_take(&rid), "ids", buf_take(&self->ids), "ids_end", buf_take(&ids_end),
+        "hashes", buf_take(&self->hashes), "hashes_end", buf_take(&hashes_end), "hashed", buf_take(&hashed));
     block_free_columns(self);
+    /* The next take's rows start in buffers twice this one's size (see Buf.last). */
+    self->packed.last = packed;
+    self->rid_text.last = text;
     return out;
 }
 
