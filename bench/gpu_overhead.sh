@@ -10,6 +10,7 @@
 #   AB_PAUSE=all VARIANTS=default,host-only REPS=100 bash bench/gpu_overhead.sh ab-gpus  # the same, a GPU each
 #   AB_CALLS=1 AB_PAUSE=all ... bash bench/gpu_overhead.sh ab   # also vLLM's methods timed by block (--ab-calls)
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
+#   KVTRACE_PY_SPY_NATIVE=1 bash bench/gpu_overhead.sh gil   # with C frames (py-spy pauses the process)
 #   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)
 #   DRIVER_PROBE=1 VARIANTS=default bash bench/gpu_overhead.sh hooks   # and three more CUDA calls after begin_step
 #   bash bench/gpu_overhead.sh throughput           # the throughput benchmark, engines side by side

@@ -501,8 +501,11 @@ class GilSampler:
 
         # Let a child read this process (Yama ptrace_scope 1 allows only ancestors otherwise).
         ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, PR_SET_PTRACER_ANY
-        self.proc = subprocess.Popen([py_spy, "record", "--pid", str(os.getpid()), "--gil", "--threads",
-                                      "--nonblocking", "--full-filenames", "--rate", str(GIL_RATE_HZ),
+        # KVTRACE_PY_SPY_NATIVE=1: C frames too (kvtrace's and vLLM's native code, the CUDA driver's), which
+        # py-spy reads only by pausing the process at each sample: the timings are then slower than real
+        how = ["--native"] if os.environ.get("KVTRACE_PY_SPY_NATIVE") == "1" else ["--nonblocking"]
+        self.proc = subprocess.Popen([py_spy, "record", "--pid", str(os.getpid()), "--gil", "--threads", *how,
+                                      "--full-filenames", "--rate", str(GIL_RATE_HZ),
                                       "--format", "raw", "--output", out],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(1.0)  # attached before the window opens
