@@ -21,14 +21,17 @@
 #include <time.h>
 
 /* Reading a caller's argument without f_locals (which builds a dict of all its locals: ~0.5-2 us).
-   3.11 has no public API for it: its interpreter frames are read through CPython's internal header, as
-   Cython does. 3.12+ has PyFrame_GetVar. Older versions call the Python implementation. */
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-#define KVT_FRAMES_311 1
+   3.11 and 3.12 interpreter frames are read through CPython's internal header, as Cython does (the
+   fields used here, `tstate->cframe->current_frame`, `f_code`, `previous`, `localsplus`, are the same in
+   both). 3.12's public PyFrame_GetVar is no cheaper than f_locals: it makes a frame object for every frame
+   walked and builds the frame's locals dict, ~1 us a pool call on an H100's host. 3.13 and later (whose
+   frames changed) use the public API; older versions call the Python implementation. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
+#define KVT_FRAMES_INTERNAL 1
 #define Py_BUILD_CORE 1
 #include "internal/pycore_frame.h"
 #undef Py_BUILD_CORE
-#elif PY_VERSION_HEX >= 0x030C0000
+#elif PY_VERSION_HEX >= 0x030D0000
 #define KVT_FRAMES_PUBLIC 1
 #endif
 #if PY_VERSION_HEX >= 0x030C0000
@@ -275,7 +278,7 @@ static inline PyObject *slot_get_lazy(SlotRef *r, PyObject *obj, PyObject *name)
 /* Which argument of a code object names the request: the index of `request_id`, else of `request`,
    among its arguments (never other locals: see caller_request_id in buffers.py). A small table keyed
    by the code object's address, holding a reference so the address cannot be reused. */
-#if defined(KVT_FRAMES_311) || defined(KVT_FRAMES_PUBLIC)
+#if defined(KVT_FRAMES_INTERNAL) || defined(KVT_FRAMES_PUBLIC)
 #define ARG_CACHE 64
 typedef struct {
     PyObject *code;
@@ -314,7 +317,7 @@ static ArgEntry *arg_entry(PyCodeObject *code) {
         e->index = found;
         e->is_request = is_request;
         e->is_cell = 0;
-#ifdef KVT_FRAMES_311
+#ifdef KVT_FRAMES_INTERNAL
         if (found >= 0)
             e->is_cell = (PyBytes_AS_STRING(code->co_localspluskinds)[found] & CO_FAST_CELL) != 0;
 #endif
@@ -345,7 +348,7 @@ static PyObject *request_id_of(ArgEntry *e, PyObject *value) {
    frames above the current one (skip=1 from a call made by a wrapper: the wrapper's caller); NULL
    (no error set) when none has one. */
 static PyObject *frame_request_id(int skip, int up, PyObject *fallback_fn) {
-#if defined(KVT_FRAMES_311)
+#if defined(KVT_FRAMES_INTERNAL)
     (void)fallback_fn;
     _PyInterpreterFrame *f = PyThreadState_Get()->cframe->current_frame;
     for (int i = 0; f != NULL && i < skip + up;) {
@@ -2367,7 +2370,7 @@ PyMODINIT_FUNC PyInit__columns(void) {
         || PyModule_AddObjectRef(m, "RowLog", (PyObject *)&RowLogType) < 0
         || PyModule_AddObjectRef(m, "BlockHook", (PyObject *)&BlockHookType) < 0
         || PyModule_AddIntConstant(m, "FRAMES_NATIVE",
-#if defined(KVT_FRAMES_311) || defined(KVT_FRAMES_PUBLIC)
+#if defined(KVT_FRAMES_INTERNAL) || defined(KVT_FRAMES_PUBLIC)
                                    1
 #else
                                    0
