@@ -5,10 +5,12 @@
 
 Why cold. Under a real engine, vLLM's own work between two pool calls (the rest of `allocate_slots`, other
 requests, the model runner, the CUDA driver) evicts what the last row touched, and each cache line a
-row needs is then a likely miss to DRAM: on an H100's host the kv_blocks probe's allocation row cost
-1.08 us (`profile_engine_thread.py --ab-calls`, docs/performance.md) where a hot loop reads ~0.07 us. Here
-each call is preceded by a write to every cache line of a buffer larger than the last-level cache
-(`--thrash-mb`, 64 MB against 32 MB of L3 on this project's CPU machine), which reproduces that figure.
+row needs is then a likely miss to DRAM: a hot loop reads a row at ~0.07 us, which says little about an
+engine. Here each call is preceded by a write to every cache line of a buffer larger than the last-level
+cache (`--thrash-mb`, 64 MB against 32 MB of L3 on this project's CPU machine): the row then costs ~1 us,
+close to the ~1.1 us the H100's host read under the engine (`profile_engine_thread.py --ab-calls`), but
+most of that figure was something else, Python 3.12's frame API (docs/performance.md, "This tree"): what
+this bench compares is the layout's cold cost, Python 3.11's frame reads here.
 
 Method: `get_new_blocks(1)` of a real `BlockPool`, called through a function with a `request_id`
 argument as vLLM's `SingleTypeKVCacheManager.allocate_new_blocks` is, with kvtrace's native hook in

@@ -430,9 +430,9 @@ static const char *const EVENT_NAMES[] = {"alloc", "free", "touch", "cache", "ev
 /* One block_events row as the hot path writes it: everything but its request id's text, its block ids
    and its hashes (each appended to a buffer of its own) in 32 bytes, two rows to a cache line. take()
    turns the rows into Arrow's columns. Under a real engine each cache line a row touches is a likely
-   miss to DRAM (vLLM's own work in between evicts them): a row written as ten columns, each with its
-   own buffer tail and bookkeeping, cost ~1.1 us on an H100's host, where a packed row touches three
-   tails (bench/bench_block_rows.py, docs/performance.md). */
+   miss to DRAM (vLLM's own work in between evicts them): a row written as ten columns touched twelve
+   buffer tails and their bookkeeping, a packed row three (with the caches cold, 1.2 -> 0.97 us an
+   allocation row on this project's CPU machine: bench/bench_block_rows.py, docs/performance.md). */
 typedef struct {
     int64_t ts;
     int64_t step;

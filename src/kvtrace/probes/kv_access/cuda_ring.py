@@ -94,6 +94,8 @@ class _StateArgs(ctypes.Structure):
 
 
 assert ctypes.sizeof(_RecordArgs) == 112 and ctypes.sizeof(_StateArgs) == 24
+# `_drain.state_launch` writes step, active and set at these offsets of the struct
+assert (_StateArgs.step.offset, _StateArgs.active.offset, _StateArgs.set.offset) == (8, 16, 20)
 
 
 class _Launch:
