@@ -8,6 +8,7 @@
 #   CASES="v2-full-flash or cpu_offload" bash bench/gpu_overhead.sh vllm   # other cases (pytest -k)
 #   AB_PAUSE=all VARIANTS=default REPS=90 bash bench/gpu_overhead.sh ab   # all of kvtrace on / off by blocks
 #   AB_PAUSE=all VARIANTS=default,host-only REPS=100 bash bench/gpu_overhead.sh ab-gpus  # the same, a GPU each
+#   VARIANTS=default,default,default,all-layers bash bench/gpu_overhead.sh ab-gpus  # four GPUs: a variant repeated
 #   AB_CALLS=1 AB_PAUSE=all ... bash bench/gpu_overhead.sh ab   # also vLLM's methods timed by block (--ab-calls)
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   KVTRACE_PY_SPY_NATIVE=1 bash bench/gpu_overhead.sh gil   # with C frames (py-spy pauses the process)
@@ -73,17 +74,23 @@ for stage in "$@"; do
         IFS=, read -ra vs <<<"${VARIANTS:-default,host-only}"
         n=$(nproc) k=${#vs[@]} pids=()
         echo "=== ab-gpus: ${vs[*]} on $k GPUs, AB_PAUSE=${AB_PAUSE:-all} REPS=${REPS:-10}" | tee -a "$OUT/ab-gpus.log"
+        # (a variant may be named more than once, e.g. default,default: the same A/B on two GPUs; each
+        # process writes under its GPU's number)
         for i in "${!vs[@]}"; do
             CUDA_VISIBLE_DEVICES=$i timeout 570 taskset -c "$((i * n / k))-$(((i + 1) * n / k - 1))" \
                 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${vs[$i]}" --ab-blocks 16 \
-                --ab-pause "${AB_PAUSE:-all}" ${AB_CALLS:+--ab-calls} --reps "${REPS:-10}" --timeout 560 --out "$OUT/ab-gpus" \
-                >"$OUT/ab-gpus-${vs[$i]}.log" 2>&1 &
+                --ab-pause "${AB_PAUSE:-all}" ${AB_CALLS:+--ab-calls} --reps "${REPS:-10}" --timeout 560 \
+                --out "$OUT/ab-gpus/gpu$i" >"$OUT/ab-gpus-gpu$i-${vs[$i]}.log" 2>&1 &
             pids+=($!)
         done
         for i in "${!pids[@]}"; do
             wait "${pids[$i]}"
-            echo "=== ab-gpus ${vs[$i]}: exit $?" >>"$OUT/ab-gpus-${vs[$i]}.log"
-            tail -n 3 "$OUT/ab-gpus-${vs[$i]}.log" | tee -a "$OUT/ab-gpus.log"
+            echo "=== ab-gpus gpu$i ${vs[$i]}: exit $?" >>"$OUT/ab-gpus-gpu$i-${vs[$i]}.log"
+            tail -n 3 "$OUT/ab-gpus-gpu$i-${vs[$i]}.log" | tee -a "$OUT/ab-gpus.log"
+        done
+        for v in $(printf '%s\n' "${vs[@]}" | sort | uniq -d); do  # a variant on several GPUs: their pairs pooled
+            python3 bench/profile_engine_thread.py --pool "$OUT"/ab-gpus/gpu*/"$SHAPE-$v.txt" 2>&1 \
+                | sed "s/^/$v /" | tee -a "$OUT/ab-gpus.log"
         done ;;
     speed)
         n=$(nproc)

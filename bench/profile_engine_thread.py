@@ -424,7 +424,9 @@ def steady(ns: list[int]) -> bool:
 AB_SKIP = 2
 
 
-def ab_blocks_report(variant: str, r: dict) -> str:
+def ab_block_pairs(r: dict) -> tuple[list[float], list[float], list[float], list[float], int, list[tuple]]:
+    """An --ab-blocks result's kept pairs: (ratios off / on of the blocks' mean step, the same of their
+    median step, on blocks' mean ms, off blocks' mean ms, pairs left out as mixed, kept blocks)."""
     blocks: dict[int, tuple[bool, list[int]]] = {}
     steps_in: dict[int, int] = {}  # block -> its steps, the first AB_SKIP too (--ab-calls times them all)
     for block, recording, pos, ns in r["calls"]:
@@ -447,6 +449,11 @@ def ab_blocks_report(variant: str, r: dict) -> str:
         med_ratios.append(statistics.median(off[1]) / statistics.median(on[1]))
         on_ms.append(on_mean)
         off_ms.append(off_mean)
+    return ratios, med_ratios, on_ms, off_ms, mixed, kept
+
+
+def ab_blocks_report(variant: str, r: dict) -> str:
+    ratios, med_ratios, on_ms, off_ms, mixed, kept = ab_block_pairs(r)
     if not ratios:
         return f"{variant}: --ab-blocks: no complete pair of blocks"
     mean, lo, hi = bgt.paired_ci(ratios)
@@ -463,6 +470,28 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"in {r['wall_s']:.1f} s; rows drained {r['rows']}; kvtrace threads' CPU "
             f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window (spread over both kinds of block)"
             + machine_note(r) + spoilt + "".join("\n" + line for line in ab_calls_report(r, kept, (on_name, off_name))))
+
+
+def pooled_report(paths: list[str]) -> str:
+    """One interval over the pairs of several --ab-blocks results (the same variant in processes on
+    different GPUs or machines): each process's pairs are its own A/B, so their union is a larger sample
+    of the same comparison; each process's own figure is printed beside it."""
+    lines, pooled = [], []
+    for path in paths:
+        try:
+            r = json.loads(Path(path).read_text())
+            ratios, _, on_ms, off_ms, _, _ = ab_block_pairs(r)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"profile: --pool: {path}: not an --ab-blocks result ({exc})") from None
+        if not ratios:
+            raise SystemExit(f"profile: --pool: {path}: no complete pair of blocks")
+        mean, lo, hi = bgt.paired_ci(ratios)
+        lines.append(f"  {path}: {mean:.4f} [{lo:.4f}, {hi:.4f}], {len(ratios)} pairs, "
+                     f"{statistics.fmean(on_ms):.3f} -> {statistics.fmean(off_ms):.3f} ms a step")
+        pooled += ratios
+    mean, lo, hi = bgt.paired_ci(pooled)
+    return "\n".join([f"pooled over {len(paths)} processes, {len(pooled)} pairs: {mean:.4f} [{lo:.4f}, {hi:.4f}]",
+                      *lines])
 
 
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)
@@ -654,7 +683,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
     ap.add_argument("--out", default="profile-engine-thread", help="folder for the reports")
+    ap.add_argument("--pool", nargs="+", metavar="RESULT",
+                    help="report, and run nothing: one interval over the pairs of these --ab-blocks results "
+                    "(their SHAPE-VARIANT.txt files)")
     args = ap.parse_args()
+    if args.pool:
+        print(pooled_report(args.pool))
+        return None
     if args.worker:
         return worker(args)
     variants = [v for v in args.variants.split(",") if v]

@@ -3,6 +3,7 @@ keeps, which pairs it leaves out, and the ratio it reads from them."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -39,6 +40,24 @@ def test_pairs_read_the_recording_blocks_against_their_neighbours(profile):
     pairs, left_out, ratio = re.search(r"paired over (\d+) pairs of blocks \((\d+) pairs.*?\): (\d\.\d+)", text).groups()
     assert (int(pairs), int(left_out)) == (3, 1)
     assert float(ratio) == pytest.approx(10.0 / 10.2, abs=1e-4)  # the drift between pairs cancels
+
+
+def test_pooling_reads_one_interval_over_the_pairs_of_several_processes(profile, tmp_path):
+    size = 4
+    paths = []
+    for gpu, cost in enumerate((1.01, 1.03)):  # two processes, recording costing 1% and 3% of a step
+        blocks = [[50.0] * profile.AB_SKIP + [10.0 * (cost if profile.block_records(b) else 1.0)] * (size - profile.AB_SKIP)
+                  for b in range(6)]
+        path = tmp_path / f"gpu{gpu}.txt"
+        path.write_text(json.dumps({"block_steps": size, "calls": calls_of(profile, blocks, size)}))
+        paths.append(str(path))
+    text = profile.pooled_report(paths)
+    pairs, ratio = re.search(r"processes, (\d+) pairs: (\d\.\d+)", text).groups()
+    assert int(pairs) == 6 and float(ratio) == pytest.approx((1 / 1.01 / 1.03) ** 0.5, abs=1e-4)
+    assert f"{paths[0]}: 0.9901" in text and f"{paths[1]}: 0.9709" in text
+    (tmp_path / "bad.txt").write_text("{")
+    with pytest.raises(SystemExit, match="bad.txt: not an --ab-blocks result"):
+        profile.pooled_report([paths[0], str(tmp_path / "bad.txt")])
 
 
 def test_the_recording_flag_alternates_its_order_between_pairs(profile):
