@@ -335,11 +335,10 @@ class BlockCallTimes:
         self._restore.clear()
 
 
-def ab_calls_report(r: dict, pairs: list[tuple[int, int, int, int]], names: tuple[str, str]) -> list[str]:
-    """Per method of `--ab-calls`: its us per engine step with kvtrace on and off, and on minus off with a
-    95% bootstrap interval over the pairs of blocks (`pairs`: (on block, off block, its steps each)) that the
-    step ratio used; `names`: what the two kinds of block are called (PAUSE_NAMES)."""
-    lines = []
+def ab_call_diffs(r: dict, pairs: list[tuple[int, int, int, int]]) -> dict[str, tuple[list, list, list, list]]:
+    """Per method of `--ab-calls`, over the pairs of blocks (`pairs`: (on block, off block, its steps each))
+    that the step ratio used: (on minus off, on, off: us a step; calls a step on) per pair."""
+    out = {}
     for name, by_block in sorted((r.get("call_times") or {}).items()):
         by_block = {int(b): v for b, v in by_block.items()}  # JSON made the block numbers strings
         diffs, on_us, off_us, on_calls = [], [], [], []
@@ -349,8 +348,19 @@ def ab_calls_report(r: dict, pairs: list[tuple[int, int, int, int]], names: tupl
             off_us.append(off[0] / 1e3 / off_steps)
             on_calls.append(on[1] / on_steps)
             diffs.append(on_us[-1] - off_us[-1])
-        if not diffs or not any(on_calls):
-            continue
+        if diffs and any(on_calls):
+            out[name] = (diffs, on_us, off_us, on_calls)
+    return out
+
+
+def ab_calls_report(r: dict, pairs: list[tuple[int, int, int, int]], names: tuple[str, str],
+                    per_method: dict | None = None) -> list[str]:
+    """Per method of `--ab-calls`: its us per engine step with kvtrace on and off, and on minus off with a
+    95% bootstrap interval over the pairs of blocks that the step ratio used; `names`: what the two kinds
+    of block are called (PAUSE_NAMES). `per_method`: ab_call_diffs' figures given instead of `r`'s."""
+    lines = []
+    for name, (diffs, on_us, off_us, on_calls) in (per_method if per_method is not None
+                                                   else ab_call_diffs(r, pairs)).items():
         mean, lo, hi = bgt.mean_ci(diffs)
         lines.append(f"  {name}: {statistics.fmean(on_calls):.2f} calls a step; {statistics.fmean(on_us):.1f} us a step "
                      f"{names[0]}, {statistics.fmean(off_us):.1f} {names[1]}: difference {mean:+.1f} us [{lo:+.1f}, {hi:+.1f}]")
@@ -475,12 +485,15 @@ def ab_blocks_report(variant: str, r: dict) -> str:
 def pooled_report(paths: list[str]) -> str:
     """One interval over the pairs of several --ab-blocks results (the same variant in processes on
     different GPUs or machines): each process's pairs are its own A/B, so their union is a larger sample
-    of the same comparison; each process's own figure is printed beside it."""
-    lines, pooled = [], []
+    of the same comparison; each process's own figure is printed beside it, and vLLM's methods (--ab-calls)
+    pooled the same way."""
+    lines, pooled, methods, names = [], [], {}, PAUSE_NAMES["all"]
     for path in paths:
         try:
             r = json.loads(Path(path).read_text())
-            ratios, _, on_ms, off_ms, _, _ = ab_block_pairs(r)
+            ratios, _, on_ms, off_ms, _, kept = ab_block_pairs(r)
+            names = PAUSE_NAMES[r.get("paused", "records")]
+            calls = ab_call_diffs(r, kept)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SystemExit(f"profile: --pool: {path}: not an --ab-blocks result ({exc})") from None
         if not ratios:
@@ -489,9 +502,13 @@ def pooled_report(paths: list[str]) -> str:
         lines.append(f"  {path}: {mean:.4f} [{lo:.4f}, {hi:.4f}], {len(ratios)} pairs, "
                      f"{statistics.fmean(on_ms):.3f} -> {statistics.fmean(off_ms):.3f} ms a step")
         pooled += ratios
+        for name, figures in calls.items():
+            into = methods.setdefault(name, ([], [], [], []))
+            for acc, part in zip(into, figures):
+                acc += part
     mean, lo, hi = bgt.paired_ci(pooled)
     return "\n".join([f"pooled over {len(paths)} processes, {len(pooled)} pairs: {mean:.4f} [{lo:.4f}, {hi:.4f}]",
-                      *lines])
+                      *lines, *ab_calls_report({}, [], names, dict(sorted(methods.items())))])
 
 
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)

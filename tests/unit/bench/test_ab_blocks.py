@@ -48,13 +48,19 @@ def test_pooling_reads_one_interval_over_the_pairs_of_several_processes(profile,
     for gpu, cost in enumerate((1.01, 1.03)):  # two processes, recording costing 1% and 3% of a step
         blocks = [[50.0] * profile.AB_SKIP + [10.0 * (cost if profile.block_records(b) else 1.0)] * (size - profile.AB_SKIP)
                   for b in range(6)]
+        # --ab-calls: a method taking 100 us a step, plus 2 (first process) or 4 us (second) with kvtrace on
+        call_times = {"Scheduler.schedule": {str(b): [size * 1000 * (100 + (2 + 2 * gpu) * profile.block_records(b)), size]
+                                             for b in range(6)}}
         path = tmp_path / f"gpu{gpu}.txt"
-        path.write_text(json.dumps({"block_steps": size, "calls": calls_of(profile, blocks, size)}))
+        path.write_text(json.dumps({"block_steps": size, "calls": calls_of(profile, blocks, size), "paused": "all",
+                                    "call_times": call_times}))
         paths.append(str(path))
     text = profile.pooled_report(paths)
     pairs, ratio = re.search(r"processes, (\d+) pairs: (\d\.\d+)", text).groups()
     assert int(pairs) == 6 and float(ratio) == pytest.approx((1 / 1.01 / 1.03) ** 0.5, abs=1e-4)
     assert f"{paths[0]}: 0.9901" in text and f"{paths[1]}: 0.9709" in text
+    # the method's pairs pooled too: three at +2 us, three at +4
+    assert "Scheduler.schedule: 1.00 calls a step; 103.0 us a step kvtrace on, 100.0 kvtrace off: difference +3.0 us" in text
     (tmp_path / "bad.txt").write_text("{")
     with pytest.raises(SystemExit, match="bad.txt: not an --ab-blocks result"):
         profile.pooled_report([paths[0], str(tmp_path / "bad.txt")])
