@@ -353,14 +353,12 @@ def ab_call_diffs(r: dict, pairs: list[tuple[int, int, int, int]]) -> dict[str, 
     return out
 
 
-def ab_calls_report(r: dict, pairs: list[tuple[int, int, int, int]], names: tuple[str, str],
-                    per_method: dict | None = None) -> list[str]:
-    """Per method of `--ab-calls`: its us per engine step with kvtrace on and off, and on minus off with a
-    95% bootstrap interval over the pairs of blocks that the step ratio used; `names`: what the two kinds
-    of block are called (PAUSE_NAMES). `per_method`: ab_call_diffs' figures given instead of `r`'s."""
+def ab_calls_report(per_method: dict[str, tuple[list, list, list, list]], names: tuple[str, str]) -> list[str]:
+    """Per method of `--ab-calls` (ab_call_diffs' figures): its us per engine step with kvtrace on and off,
+    and on minus off with a 95% bootstrap interval over the pairs of blocks that the step ratio used;
+    `names`: what the two kinds of block are called (PAUSE_NAMES)."""
     lines = []
-    for name, (diffs, on_us, off_us, on_calls) in (per_method if per_method is not None
-                                                   else ab_call_diffs(r, pairs)).items():
+    for name, (diffs, on_us, off_us, on_calls) in per_method.items():
         mean, lo, hi = bgt.mean_ci(diffs)
         lines.append(f"  {name}: {statistics.fmean(on_calls):.2f} calls a step; {statistics.fmean(on_us):.1f} us a step "
                      f"{names[0]}, {statistics.fmean(off_us):.1f} {names[1]}: difference {mean:+.1f} us [{lo:+.1f}, {hi:+.1f}]")
@@ -479,7 +477,7 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"{statistics.fmean(on_ms):.3f} ms {on_name}, {statistics.fmean(off_ms):.3f} ms {off_name}; {steps} steps "
             f"in {r['wall_s']:.1f} s; rows drained {r['rows']}; kvtrace threads' CPU "
             f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window (spread over both kinds of block)"
-            + machine_note(r) + spoilt + "".join("\n" + line for line in ab_calls_report(r, kept, (on_name, off_name))))
+            + machine_note(r) + spoilt + "".join("\n" + line for line in ab_calls_report(ab_call_diffs(r, kept), (on_name, off_name))))
 
 
 def pooled_report(paths: list[str]) -> str:
@@ -508,7 +506,7 @@ def pooled_report(paths: list[str]) -> str:
                 acc += part
     mean, lo, hi = bgt.paired_ci(pooled)
     return "\n".join([f"pooled over {len(paths)} processes, {len(pooled)} pairs: {mean:.4f} [{lo:.4f}, {hi:.4f}]",
-                      *lines, *ab_calls_report({}, [], names, dict(sorted(methods.items())))])
+                      *lines, *ab_calls_report(dict(sorted(methods.items())), names)])
 
 
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)
