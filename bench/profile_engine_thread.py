@@ -485,7 +485,7 @@ def pooled_report(paths: list[str]) -> str:
     different GPUs or machines): each process's pairs are its own A/B, so their union is a larger sample
     of the same comparison; each process's own figure is printed beside it, and vLLM's methods (--ab-calls)
     pooled the same way."""
-    lines, pooled, methods, names = [], [], {}, PAUSE_NAMES["all"]
+    lines, pooled, methods, paused = [], [], {}, None
     for path in paths:
         try:
             r = json.loads(Path(path).read_text())
@@ -494,6 +494,9 @@ def pooled_report(paths: list[str]) -> str:
             calls = ab_call_diffs(r, kept)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SystemExit(f"profile: --pool: {path}: not an --ab-blocks result ({exc})") from None
+        if paused not in (None, names):  # pairs of different comparisons (--ab-pause) are not one sample
+            raise SystemExit(f"profile: --pool: {path}: compares {' / '.join(names)}, the others {' / '.join(paused)}")
+        paused = names
         if not ratios:
             raise SystemExit(f"profile: --pool: {path}: no complete pair of blocks")
         mean, lo, hi = bgt.paired_ci(ratios)
@@ -506,7 +509,7 @@ def pooled_report(paths: list[str]) -> str:
                 acc += part
     mean, lo, hi = bgt.paired_ci(pooled)
     return "\n".join([f"pooled over {len(paths)} processes, {len(pooled)} pairs: {mean:.4f} [{lo:.4f}, {hi:.4f}]",
-                      *lines, *ab_calls_report(dict(sorted(methods.items())), names)])
+                      *lines, *ab_calls_report(dict(sorted(methods.items())), paused)])
 
 
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)

@@ -61,6 +61,10 @@ def test_pooling_reads_one_interval_over_the_pairs_of_several_processes(profile,
     assert f"{paths[0]}: 0.9901" in text and f"{paths[1]}: 0.9709" in text
     # the method's pairs pooled too: three at +2 us, three at +4
     assert "Scheduler.schedule: 1.00 calls a step; 103.0 us a step kvtrace on, 100.0 kvtrace off: difference +3.0 us" in text
+    other = json.loads((tmp_path / "gpu1.txt").read_text())
+    (tmp_path / "records.txt").write_text(json.dumps({**other, "paused": "records"}))
+    with pytest.raises(SystemExit, match="records.txt: compares recording / paused, the others kvtrace on / kvtrace off"):
+        profile.pooled_report([paths[0], str(tmp_path / "records.txt")])
     (tmp_path / "bad.txt").write_text("{")
     with pytest.raises(SystemExit, match="bad.txt: not an --ab-blocks result"):
         profile.pooled_report([paths[0], str(tmp_path / "bad.txt")])
