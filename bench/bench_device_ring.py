@@ -282,17 +282,20 @@ def bench(args):
                 layer(i)
         return fn
 
-    def make(granularity, layers, overlap=False, share=False):
+    def make(granularity, layers, overlap=False, share=False, count_once=True):
         rec = CountingRecorder()
         ring = make_ring(dev, capacity=args.capacity, block_size=bs, granularity=granularity, layers=layers,
                          recorder=rec, overlap=overlap, share_layers=share)
+        ring.count_once = count_once
         ring.begin_step(0, record=False)  # warm-up runs before capture record nothing
         return ring, rec
 
     # inline: every record kernel between two kernels of the step; +ovl (the default): forked in the graph.
     # blocks-all: every layer's own block records (the layers here share one block table, so
-    # `kvtrace record --kv-layers all` records them once: blocks-all-shared)
-    rings = {"timing": make("timing", None), "blocks-3": make("blocks", "0,15,31"),
+    # `kvtrace record --kv-layers all` records them once: blocks-all-shared). timing-count-each: every
+    # layer's kernel counts the records itself, where the default copies the first layer's counts (kv_time)
+    rings = {"timing": make("timing", None), "timing-count-each": make("timing", None, count_once=False),
+             "blocks-3": make("blocks", "0,15,31"),
              "blocks-all": make("blocks", "all"), "timing+ovl": make("timing", None, True),
              "blocks-all+ovl": make("blocks", "all", True),
              "blocks-all-shared+ovl": make("blocks", "all", True, share=True)}
@@ -332,7 +335,8 @@ def bench(args):
         print(f"  {name:11s} {ms * 1e3:8.1f} us  ({ms * 1e3 / L:.2f} us per layer)")
 
     print("\nrecords per step and host drain:")
-    expected = {"timing": reads + writes, "blocks-3": 3 * (reads + writes), "blocks-all": L * (reads + writes),
+    expected = {"timing": reads + writes, "timing-count-each": reads + writes, "blocks-3": 3 * (reads + writes),
+                "blocks-all": L * (reads + writes),
                 "timing+ovl": reads + writes, "blocks-all+ovl": L * (reads + writes),
                 "blocks-all-shared+ovl": L * (reads + writes)}  # rows: one layer's records, copied to all
     steps_recorded = (args.rounds + 2) * args.replays  # the timed rounds and the rings-alone rounds
@@ -372,6 +376,7 @@ def bench(args):
     print(f"| block records all layers, overlap | {pct('blocks-all+ovl')} | <= 1% |")
     print(f"| block records all layers recorded once (one block table), overlap | {pct('blocks-all-shared+ovl')} | |")
     print(f"| timing granularity, inline (overlap=False) | {pct('timing')} | |")
+    print(f"| timing granularity, inline, every layer counting its records | {pct('timing-count-each')} | |")
     print(f"| block records 3 layers, inline | {pct('blocks-3')} | |")
     print(f"| block records all layers, inline | {pct('blocks-all')} | <= 1% |")
     print(f"| eager call, timing layer (host) | {eager['timing'][0]:.2f} us | <= 15 us |")
@@ -440,8 +445,13 @@ def sanitize(args):
             ok = got == want and lost == 0
         else:  # wrapped: what survived is real, and survivors + counted drops = everything recorded
             ok = not (Counter(got) - Counter(want)) and len(got) + lost == len(want)
+        # every layer's timing row (step, layer, reads, writes): the first layer of a pass counts, the
+        # others copy its counts (kv_time)
+        timings = [sorted((r[0], r[1], r[3], r[4]) for r in rec.buffers.get("layer_timings", [])) for rec in (recg, recc)]
+        ok = ok and timings[0] == timings[1] and len(timings[0]) == 5 * 3
         print(f"sanitize {granularity}/{layers}/cap {cap}: gpu rows {len(got)} cpu rows {len(want)} "
-              f"gpu drops {recg.dropped} cpu drops {recc.dropped} -> {'ok' if ok else 'MISMATCH'}")
+              f"gpu drops {recg.dropped} cpu drops {recc.dropped} timing rows {len(timings[0])} "
+              f"-> {'ok' if ok else 'MISMATCH'}")
         failures += not ok
     torch.cuda.synchronize()
     print("sanitize driver:", "ok" if not failures else f"{failures} mismatches")

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slowdown", type=float, default=50.0, help="stretch the probes' clocks by this factor")
     ap.add_argument("--out", default="/tmp/kvt-cg.{pid}",
                     help="valgrind's --callgrind-out-file, with %%p written {pid} (to read the dumps back)")
+    ap.add_argument("--gpu-shape", action="store_true",
+                    help="the GPU benchmark's workload (256 prompts of 512 tokens admitted at once, 256 out, "
+                         "16-token blocks, no prefix hits or preemptions) instead of bench_host_probes' default")
     args = ap.parse_args(argv)
 
     from kvtrace.demo.model import ensure_tiny_model
@@ -87,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     buffers.FLUSH_NS = int(buffers.FLUSH_NS * args.slowdown)
 
     model = str(ensure_tiny_model())
-    cfg = host.DrivenConfig(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=2048)
-    prompts = host.shared_prefix_prompts(512, 8, 512, 64)  # bench_host_probes' default workload
+    if args.gpu_shape:  # bench_host_steps' "GPU benchmark's own shape" (docs/performance.md)
+        cfg = host.DrivenConfig(num_blocks=40000, block_size=16, max_num_seqs=256, max_num_batched_tokens=2048)
+        prompts, max_tokens = host.shared_prefix_prompts(256, 8, 0, 512), 256
+    else:  # bench_host_probes' default workload
+        cfg = host.DrivenConfig(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=2048)
+        prompts, max_tokens = host.shared_prefix_prompts(512, 8, 512, 64), 96
     with tempfile.TemporaryDirectory(prefix="kvtrace-count-") as tmp:
         rec = Recorder(Path(tmp) / "session", "engine", {"flush_interval_s": FLUSH_INTERVAL_S * args.slowdown})
         for mode in args.modes.split(","):
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                         gc.collect()
                         control("-z")
                         control("-i", "on")
-                host.run_round(model, cfg, prompts, 256, 96, finish=finish, before=start)
+                host.run_round(model, cfg, prompts, 256, max_tokens, finish=finish, before=start)
                 if counted:
                     control("-i", "off")
                     control("-d", mode)

@@ -38,7 +38,7 @@ class FakeRing:
 def hooked(monkeypatch):
     cls = type("CUDAGraph", (FakeGraph,), {})
     monkeypatch.setattr(torch.cuda, "CUDAGraph", cls)
-    monkeypatch.setattr(cuda_ring, "_CAPTURES", [0])
+    monkeypatch.setattr(cuda_ring, "_CAPTURES", [0, 0])
     assert cuda_ring._install_capture_hooks() and cuda_ring._install_capture_hooks()  # once, then a no-op
     return cls
 
@@ -52,7 +52,7 @@ def test_captures_are_counted_while_open(hooked):
     assert cuda_ring._CAPTURES[0] == 2
     h.capture_end()
     g.capture_end()
-    assert cuda_ring._CAPTURES[0] == 0
+    assert cuda_ring._CAPTURES == [0, 2]  # none open, two begun (each a new forward pass for the ring)
 
 
 def test_a_failed_begin_or_end_leaves_no_capture_counted(hooked):

@@ -56,7 +56,7 @@ MAX_GRID = 1024          # per part; the kernel loops grid-stride past it
 
 # Control block words (int64), mirrored from cuda_ring_kernels.cu.
 ST_STEP, ST_ACTIVE, ST_SNAP_REC, ST_SNAP_TIM, ST_SNAP_SEQ = 0, 1, 2, 3, 4
-ST_REC_HEAD, ST_TIM_HEAD = 5, 6
+ST_REC_HEAD, ST_TIM_HEAD, ST_COUNTS = 5, 6, 7
 STATE_WORDS = 8   # one 64-byte line
 SNAP_WORDS = 8    # state[0:8]: what a drain copies (the snapshot words)
 LIVE_WORDS = 8    # state[0:8] again, after the ring copy: the live heads
@@ -102,12 +102,14 @@ class _Launch:
     """A prepared kernel launch: the argument struct and the kernelParams array pointing at it.
 
     cuLaunchKernel copies the arguments at launch (and at capture), so one struct serves every layer.
+    `fn` (a CUfunction pointer, or None: the ring's kv_record) and `threads` (per block) say what it runs.
     """
 
-    __slots__ = ("args", "params", "params_addr", "grid", "smem")
+    __slots__ = ("args", "params", "params_addr", "grid", "smem", "fn", "threads")
 
-    def __init__(self, args: ctypes.Structure, grid: int, smem: int = 0):
-        self.args, self.grid, self.smem = args, grid, smem
+    def __init__(self, args: ctypes.Structure, grid: int, smem: int = 0, fn: int | None = None,
+                 threads: int = THREADS):
+        self.args, self.grid, self.smem, self.fn, self.threads = args, grid, smem, fn, threads
         self.params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         self.params_addr = ctypes.addressof(self.params)
 
@@ -124,7 +126,7 @@ def _load_kernels(device_index: int) -> dict[str, int]:
         if device_index not in _MODULES:
             with cp.cuda.Device(device_index):  # CuPy loads per device: take the pointers inside
                 mod = cp.RawModule(code=KERNEL_SOURCE.read_text(), options=("-std=c++17", "-lineinfo"))
-                names = ("kv_record", "kv_set_state", "kv_read_timer", "kv_empty")
+                names = ("kv_record", "kv_time", "kv_set_state", "kv_read_timer", "kv_empty")
                 kernels = {n: mod.get_function(n) for n in names}
                 ptrs = {n: k.kernel.ptr for n, k in kernels.items()}  # compiles and loads now, never mid-capture
             _MODULES[device_index] = (mod, kernels, ptrs)  # kept: unloading would free the functions
@@ -162,7 +164,8 @@ class CudaKVAccessRing(KVAccessRing):
         # refuses in-place updates of inference tensors there.
         with torch.cuda.device(self.index), torch.inference_mode(False):
             fn = _load_kernels(self.index)
-            self._f_record, self._f_state, self._f_timer = fn["kv_record"], fn["kv_set_state"], fn["kv_read_timer"]
+            self._f_record, self._f_time = fn["kv_record"], fn["kv_time"]
+            self._f_state, self._f_timer = fn["kv_set_state"], fn["kv_read_timer"]
             # -1 everywhere: lap 0x7FFF, so a slot that was never written never passes for lap 0.
             self._ring = torch.full((self.capacity * 8,), -1, dtype=torch.int32, device=self.device)
             self._tring = torch.full((self.timing_capacity * 8,), -1, dtype=torch.int32, device=self.device)
@@ -225,13 +228,20 @@ class CudaKVAccessRing(KVAccessRing):
         self._timer_arg = ctypes.c_uint64(self._timer.data_ptr())
         self._timer_params = (ctypes.c_void_p * 1)(ctypes.addressof(self._timer_arg))
         # The record kernel's two launches (block records with the grid they need, counts only: one block
-        # and no dynamic shared memory, less for the SM to set aside between kernels), fitted to the last
-        # set of metadata tensors checked (`_checked_key`: their pointers and shapes); `_pass_tensors`
-        # holds that set until the next one or the next step.
-        self._emit_launch = _Launch(_RecordArgs(), 1, SMEM_QSL * 4)
-        self._count_launch = _Launch(_RecordArgs(), 1, 0)
+        # and no dynamic shared memory, less for the SM to set aside between kernels) and kv_time's (the
+        # timing record of a layer whose counts the launch before it made), fitted to the last set of
+        # metadata tensors checked (`_checked_key`: their pointers and shapes); `_pass_tensors` holds
+        # that set until the next one or the next step.
+        self._emit_launch = _Launch(_RecordArgs(), 1, SMEM_QSL * 4, self._f_record)
+        self._count_launch = _Launch(_RecordArgs(), 1, 0, self._f_record)
+        self._time_launch = _Launch(_RecordArgs(), 1, 0, self._f_time, threads=1)
         self._checked_key: tuple | None = None
         self._pass_tensors: tuple | None = None
+        # kv_time for a layer whose tensors are those of the launch just before it in the same pass
+        # (False: every layer counts its own: benchmarks compare the two). `_counted` = (layer, capture
+        # number) of that launch, None when the next launch must count (a new set, step or capture).
+        self.count_once = True
+        self._counted: tuple[int, int] | None = None
         self._snap_count = 0
         self._tail = self._ttail = 0
         self._anchors: list[tuple[int, int]] = []  # (device_ns, monotonic_ns)
@@ -261,6 +271,7 @@ class CudaKVAccessRing(KVAccessRing):
                            "freeze the step id into the graph); call it before each replay instead")
             return
         self._pass_tensors = None  # a forward pass's metadata tensors are held within that pass only
+        self._counted = None
         state_launch = self._state_launch_native
         if state_launch is not None:  # the struct's fields and the launch in one call (`_drain.state_launch`)
             state_launch(self._f_state, self._current_stream(), self._state_launch.params_addr,
@@ -325,12 +336,24 @@ class CudaKVAccessRing(KVAccessRing):
         if (held is None or held[0] is not slot_mapping or held[1] is not block_table or held[2] is not seq_lens
                 or held[3] is not query_start_loc):
             self._prepare(slot_mapping, block_table, seq_lens, query_start_loc)
-        launch = self._emit_launch if emit else self._count_launch
+        # The layers of a KV-cache group read the same tensors one after the other: their counts are the
+        # same, and only the first of them counts (the counts of the launch before, in stream order: the
+        # same pass, on the same stream or its fork, which is joined before the next). A graph capture
+        # starts a new pass (`_CAPTURES[1]`); where captures cannot be counted, every layer counts.
+        counted, capture = self._counted, _CAPTURES[1]
+        if emit:
+            launch = self._emit_launch
+        elif (counted is not None and counted[0] < layer_idx and counted[1] == capture and self.count_once
+              and self._capture_hooked):
+            launch = self._time_launch
+        else:
+            launch = self._count_launch
+        self._counted = (layer_idx, capture)
         launch.args.layer = layer_idx
         stream = self._current_stream()
         if self.overlap and (capturing if capturing is not None else self._capturing()):
             stream = self._fork(stream)
-        self._launch_kernel(self._f_record, launch.grid, 1, 1, THREADS, 1, 1, launch.smem, stream,
+        self._launch_kernel(launch.fn, launch.grid, 1, 1, launch.threads, 1, 1, launch.smem, stream,
                             launch.params_addr, 0)
         if stream == self._side_ptr:
             self._rt.eventRecord(self._join_ev, stream)
@@ -370,12 +393,13 @@ class CudaKVAccessRing(KVAccessRing):
             # the write blocks
             read_blocks = min(-(-template.num_reqs // WARPS), MAX_GRID)
             size = ctypes.sizeof(_RecordArgs)
-            for launch, emit in ((self._emit_launch, 1), (self._count_launch, 0)):
+            for launch, emit in ((self._emit_launch, 1), (self._count_launch, 0), (self._time_launch, 0)):
                 ctypes.memmove(ctypes.addressof(launch.args), ctypes.addressof(template), size)
                 launch.args.emit, launch.args.read_blocks = emit, read_blocks if emit else 0
             self._emit_launch.grid = 1 + read_blocks + min(-(-template.num_tokens // THREADS), MAX_GRID)
             self._checked_key = key
         self._pass_tensors = (slot_mapping, block_table, seq_lens, query_start_loc)
+        self._counted = None  # a new set: its first launch counts
 
     def _checked_args(self, slot_mapping, block_table, seq_lens, query_start_loc) -> _RecordArgs:
         """The launch arguments these tensors give every layer (its own layer and emit flag aside), once
@@ -725,7 +749,8 @@ def empty_kernel_launcher(device_index: int):
 
 
 _OVERLAP_RINGS: weakref.WeakSet = weakref.WeakSet()
-_CAPTURES = [0]  # CUDA graph captures open through torch.cuda.CUDAGraph, in this process
+# CUDA graph captures through torch.cuda.CUDAGraph in this process: [open now, begun so far]
+_CAPTURES = [0, 0]
 
 
 def _install_capture_hooks() -> bool:
@@ -746,6 +771,7 @@ def _install_capture_hooks() -> bool:
         for ring in list(_OVERLAP_RINGS):  # a fork left by an aborted capture must not be joined into this one
             ring._fork_pending = False
         _CAPTURES[0] += 1  # before the capture starts: a begin_step racing it asks CUDA
+        _CAPTURES[1] += 1  # a new capture is a new forward pass (record_layer's kv_time launches)
         try:
             return orig_begin(self, *args, **kwargs)
         except BaseException:

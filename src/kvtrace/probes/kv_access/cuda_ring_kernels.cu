@@ -13,7 +13,8 @@
 // Timing record (32 bytes): int64 step, uint64 ts (block 0's start), int32 reads, int32 writes,
 //   uint32 meta (layer | lap << 17), uint32 0.
 //
-// One launch per layer call. Block 0 counts the records the call produces and writes the timing record;
+// One launch per layer call. Block 0 counts the records the call produces and writes the timing record (a
+// layer whose tensors the previous launch of the pass counted gets kv_time instead: the same timing record);
 // in "emit" mode blocks 1..read_blocks write read records (a warp per request) and the rest write records
 // (a thread per token). The cost is latency, not bandwidth (a decode layer is ~1 MB of records), so every
 // block keeps its chain of dependent memory accesses short: the control words (one L2-resident line) load
@@ -39,6 +40,7 @@
 #define ST_SNAP_SEQ 4    // number of snapshots taken
 #define ST_REC_HEAD 5    // records reserved so far (monotonic)
 #define ST_TIM_HEAD 6    // timing records reserved so far
+#define ST_COUNTS 7      // reads | writes << 32 of the last counting launch (kv_time copies them)
 
 typedef unsigned long long u64;
 
@@ -202,6 +204,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) kv_record(const RecordArgs
         if (threadIdx.x == 0) {
             u64 r = 0, w = 0;
             for (int i = 0; i < WARPS; ++i) { r += (unsigned int)s_cnt[i]; w += (unsigned int)s_cnt2[i]; }
+            a.state[ST_COUNTS] = (long long)(r | (w << 32));  // for the kv_time launches that follow
             const u64 pos = atomic_add_state(a.state + ST_TIM_HEAD, 1ull, pol);
             const unsigned int idx = (unsigned int)(pos & a.tring_mask);
             a.tring[2u * idx] = STAMP;
@@ -280,6 +283,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) kv_record(const RecordArgs
         __syncthreads();
     }
 #undef STAMP
+}
+
+// A layer whose metadata tensors are those of the launch just before it in the same forward pass (the other
+// layers of a KV-cache group): its counts are that launch's (kv_record's block 0 leaves them in ST_COUNTS), so
+// only its timing record is written: one thread, no pass over the batch, two round trips (the control line
+// and the counts in parallel, then the atomicAdd) where kv_record's block 0 needs three and a block-wide sum.
+extern "C" __global__ void kv_time(const RecordArgs a) {
+    if (threadIdx.x != 0) return;
+    const u64 pol = evict_last_policy();
+    const longlong2 st = load_state(a.state, pol);
+    const u64 ts = globaltimer();
+    u64 counts;
+    asm volatile("ld.global.L2::cache_hint.u64 %0, [%1], %2;" : "=l"(counts) : "l"(a.state + ST_COUNTS), "l"(pol));
+    if (st.y == 0) return;  // sampled-out step
+    const long long step = st.x;
+    const u64 pos = atomic_add_state(a.state + ST_TIM_HEAD, 1ull, pol);
+    const unsigned int idx = (unsigned int)(pos & a.tring_mask);
+    a.tring[2u * idx] = make_int4((int)(step & 0xffffffff), (int)(step >> 32), (int)(ts & 0xffffffff), (int)(ts >> 32));
+    a.tring[2u * idx + 1] = make_int4((int)(counts & 0xffffffffu), (int)(counts >> 32),
+                                      (int)meta_of(a.layer, 0, pos, a.tring_log2), 0);
 }
 
 // Runs on the inference stream before each step: sets the step and the sampling flag, and snapshots the
