@@ -349,13 +349,15 @@ class SlotRuns:
 
     def add(self, step: int, ids: Any) -> bool:
         """The batch of `step` held request `ids[i]` in row i. True: time to take()."""
-        ids = list(ids)  # a copy: vLLM changes its list in place
-        if ids == self.ids and step == self.last + 1:
+        if type(ids) is not list:
+            ids = list(ids)
+        # compared before any copy: the same batch as the last step (the usual case) costs no list
+        if step == self.last + 1 and ids == self.ids:
             self.last = step
         else:
             if self.ids is not None:
                 self.runs.append((self.first, self.last - self.first + 1, self.ids))
-            self.ids, self.first, self.last = ids, step, step
+            self.ids, self.first, self.last = ids.copy(), step, step  # a copy: vLLM changes its list in place
         return _now() - self.since_ns >= self.flush_ns
 
     def take(self) -> dict | None:

@@ -55,6 +55,14 @@ def test_a_steady_batch_is_one_run_per_slot():
     assert cols["slot"].tolist() == list(range(256))
 
 
+def test_a_batch_given_as_a_tuple_makes_the_same_runs():
+    runs = SlotRuns()
+    for step in range(3):
+        runs.add(step, ("a", "b"))
+    cols = runs.take()
+    assert cols["steps"].tolist() == [3, 3] and cols["slot"].tolist() == [0, 1]
+
+
 def test_add_says_when_to_take():
     runs = SlotRuns(flush_ns=0)
     assert runs.add(0, ["a"])  # due at once
