@@ -63,7 +63,7 @@ with an interval over the pairs; the timers' own cost (~0.3 us a call) is the sa
 window, each wrapped in a `perf_counter_ns` pair (~0.2 us a call of its own): the KV ring's
 `begin_step`, `record_layer` and `drain`, and inside them its kernel launches (`begin_step`'s apart from
 the eager layers'), CUDA stream-capture queries and head snapshots; the scheduler probe's `on_schedule`
-and `after_update`. It prints each one's us per engine step and the distribution of a call (median, 90th
+and `after_update`, and for the steps that only decode their C twins `StepRows.decode` and `.end`. It prints each one's us per engine step and the distribution of a call (median, 90th
 and 99th percentiles): what a call costs beside a running engine, where a microbenchmark on an idle GPU
 (bench_begin_step.py) sees only the best case.
 """
@@ -82,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -130,16 +131,35 @@ class HookTimes:
         sched = next((p for p in lifecycle.installed() if p.name == "scheduler"), None)
         for name in self.SCHEDULER if sched is not None else ():
             self._wrap(sched, name)
+        self._wrap_step_rows()
 
-    def _wrap(self, obj: object, name: str) -> None:
+    def _wrap_step_rows(self) -> None:
+        """A step that only decodes goes through the scheduler probe's StepRows (in C) instead of
+        on_schedule and after_update: it is a name in the wrappers' globals, replaced there by a timed
+        stand-in (`StepRows.decode`, `StepRows.end`)."""
+        try:
+            from vllm.v1.core.sched.scheduler import Scheduler
+        except Exception:
+            return
+        env = getattr(Scheduler.schedule, "__globals__", {})
+        rows = env.get("rows")
+        if rows is None or not hasattr(rows, "decode"):
+            return
+        stand_in = types.SimpleNamespace(decode=rows.decode, end=rows.end)
+        for name in ("decode", "end"):
+            self._wrap(stand_in, name, f"StepRows.{name}")
+        env["rows"] = stand_in
+
+    def _wrap(self, obj: object, name: str, key_name: str | None = None) -> None:
         fn = getattr(obj, name, None)
         if fn is None:  # the CPU ring has no launches, capture queries or snapshots
             return
         clock = time.perf_counter_ns
         outer = name == "begin_step"
+        label = key_name or name
 
         def timed(*args, **kwargs):
-            key = f"{name} (begin_step)" if self.in_begin else name
+            key = f"{label} (begin_step)" if self.in_begin else label
             if outer:
                 self.in_begin = True
             t = clock()

@@ -734,3 +734,42 @@ def test_free_blocks_and_queue_lengths_are_read_in_c_only_where_vllm_does_just_t
             return 7
 
     assert Counted not in lengths
+
+
+def test_steps_that_only_decode_make_the_same_rows_in_c_as_in_python(drive, monkeypatch):
+    """Where `_columns.c` builds, a step in which every request decodes skips the scheduler probe's Python
+    methods (`StepRows`). A workload with every kind of step (prompts admitted while others decode,
+    chunked prompts, preemptions, waiting requests, finishes, idle ends) gives the same rows both ways,
+    and most of its steps went through C."""
+    from kvtrace.probes.vllm import scheduler
+    from kvtrace.record.buffers import NATIVE_MISSING
+
+    if NATIVE_MISSING:
+        pytest.skip(f"the native module is not built here: {NATIVE_MISSING}")
+    python_steps = []
+
+    def scenario(d):
+        for i, prompt in enumerate(shared_prefix_prompts(24, 3, 48, 40)):
+            d.add(f"R{i}", prompt, 40 + 9 * (i % 4))
+        return d.run()
+
+    cfg = DrivenConfig(num_blocks=30, max_num_seqs=8, max_num_batched_tokens=96)  # chunks, waits, preempts
+    real = scheduler.SchedulerProbe.on_schedule
+    monkeypatch.setattr(scheduler.SchedulerProbe, "on_schedule",
+                        lambda self, *a: python_steps.append(1) or real(self, *a))
+    sessions = {}
+    for native in (True, False):
+        monkeypatch.setattr(scheduler, "NATIVE_STEPS", native)
+        python_steps.clear()
+        session, steps_run = drive(cfg, scenario)
+        sessions[native] = session
+        if native:
+            assert len(python_steps) < steps_run / 2, (len(python_steps), steps_run)
+        else:
+            assert len(python_steps) == steps_run
+    for table in ("steps", "step_requests", "request_events", "preemptions", "block_events"):
+        got, want = rows(sessions[True], table), rows(sessions[False], table)
+        assert got == want and want, table
+    steps = rows(sessions[True], "steps")
+    reasons = {r["admission_stop"] for r in steps}
+    assert {"none", "preempted", "kv-insuf", "max-seqs", "tok-budget"} <= reasons and any(r["num_waiting"] for r in steps), reasons

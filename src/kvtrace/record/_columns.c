@@ -37,10 +37,12 @@
 #if PY_VERSION_HEX >= 0x030C0000
 #define KVT_T_OBJECT_EX Py_T_OBJECT_EX
 #define KVT_T_BOOL Py_T_BOOL
+#define KVT_READONLY Py_READONLY
 #else
 #include <structmember.h>
 #define KVT_T_OBJECT_EX T_OBJECT_EX
 #define KVT_T_BOOL T_BOOL
+#define KVT_READONLY READONLY
 #endif
 #ifndef CO_FAST_CELL
 #define CO_FAST_CELL 0x40 /* pycore_code.h: a local that is also a cell */
@@ -2124,6 +2126,347 @@ static PyObject *py_positions(PyObject *mod, PyObject *const *args, Py_ssize_t n
     return out;
 }
 
+/* ---- StepRows: the scheduler probe's per-step work, for a step that only decodes ---------------------
+
+   SchedulerProbe.on_schedule and after_update (probes/vllm/scheduler.py, the reference) in C for the
+   usual step of a busy engine: every scheduled request decodes (none new, resumed or in a chunked
+   prefill). Under an engine, vLLM's own work between two steps evicts the probe's bytecode and data from
+   the core's caches, and the Python methods (~300 bytecodes a decode step) then cost several times what
+   they do warm. `decode(sched, out, t0)` makes such a step's decode rows and its pending step row;
+   `end(sched, step)` completes the row and hands it over when the step ends. Each returns False, having
+   changed nothing, for a step it does not handle, and the probe's Python method runs instead: a step
+   with a prefill, prefills still chunked, first tokens due, or before the probe has recorded the engine's
+   configuration (its first step: then `ready`). Why admission stopped comes from the probe's
+   `_admission_stop`, unless nothing waits, nothing was preempted and admission saw nothing: "none". */
+
+static PyObject *s_current_step, *s_scheduled_new_reqs, *s_scheduled_cached_reqs, *s_req_ids, *s_resumed_req_ids,
+    *s_num_computed_tokens, *s_new_block_ids, *s_num_scheduled_tokens, *s_total_num_scheduled_tokens,
+    *s_kv_cache_manager, *s_block_pool, *s_num_gpu_blocks, *s_waiting, *s_kv_holding_waiting, *s_skipped_waiting,
+    *s_max_num_scheduled_tokens, *s_running, *s_max_num_running_reqs, *s_preempted_this_step, *s_seen,
+    *s_kvtrace_step, *s_admission_stop, *s_take, *s_finished_in_update, *s_has_requests, *s_went_idle, *s_append,
+    *s_none, *s_config_recorded, *s_inject;
+
+#define STEP_ROW_LEN 22 /* kvtrace.format.schema's `steps` columns */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *probe, *decode_log, *pending, *chunks, *first_due, *steps, *ctx, *free_blocks, *queue_lengths;
+    char ready;
+} StepRows;
+
+static int optional_attr(PyObject *obj, PyObject *name, PyObject **out) {
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyObject_GetOptionalAttr(obj, name, out);
+#else
+    return _PyObject_LookupAttr(obj, name, out);
+#endif
+}
+
+/* len(queue) as the probe reads it: queue_lengths[type(queue)](queue) where the type is there (a vLLM queue
+   whose __len__ is deque's), else len(queue); -1 with an error set. */
+static Py_ssize_t queue_len(StepRows *self, PyObject *queue) {
+    PyObject *fn = PyDict_GetItemWithError(self->queue_lengths, (PyObject *)Py_TYPE(queue));
+    if (fn == NULL)
+        return PyErr_Occurred() ? -1 : PyObject_Length(queue);
+    PyObject *n = PyObject_CallOneArg(fn, queue);
+    if (n == NULL)
+        return -1;
+    Py_ssize_t v = PyLong_AsSsize_t(n);
+    Py_DECREF(n);
+    return v;
+}
+
+static int StepRows_init(StepRows *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"probe", "decode_log", "pending", "chunks", "first_due", "steps", "ctx",
+                            "free_blocks", "queue_lengths", NULL};
+    PyObject *v[9];
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOO", names, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                                     &v[6], &v[7], &v[8]))
+        return -1;
+    if (!PyObject_TypeCheck(v[1], &DecodeLogType)) {
+        PyErr_SetString(PyExc_TypeError, "StepRows: decode_log must be a native DecodeLog");
+        return -1;
+    }
+    if (!PyDict_Check(v[2]) || !PyDict_Check(v[3]) || !PyDict_Check(v[4]) || !PyDict_Check(v[8])) {
+        PyErr_SetString(PyExc_TypeError, "StepRows: pending, chunks, first_due and queue_lengths must be dicts");
+        return -1;
+    }
+    PyObject **slots[9] = {&self->probe, &self->decode_log, &self->pending, &self->chunks, &self->first_due,
+                           &self->steps, &self->ctx, &self->free_blocks, &self->queue_lengths};
+    for (int i = 0; i < 9; i++)
+        Py_XSETREF(*slots[i], Py_NewRef(v[i]));
+    self->ready = 0;
+    return 0;
+}
+
+/* Ready once the probe has recorded the engine's configuration (its first step, in Python) and injects no
+   fault (a test's: it must reach the Python methods): 1, else 0; -1 with an error set. */
+static int steps_ready(StepRows *self) {
+    PyObject *recorded = PyObject_GetAttr(self->probe, s_config_recorded), *inject = NULL;
+    int r = -1, a, b;
+    if (recorded != NULL && (a = PyObject_IsTrue(recorded)) >= 0
+        && (inject = PyObject_GetAttr(self->probe, s_inject)) != NULL && (b = PyObject_IsTrue(inject)) >= 0)
+        r = self->ready = a && !b;
+    Py_XDECREF(recorded);
+    Py_XDECREF(inject);
+    return r;
+}
+
+static PyObject *StepRows_decode(StepRows *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "decode(sched, out, t0)");
+        return NULL;
+    }
+    if (self->probe == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "StepRows cleared");
+        return NULL;
+    }
+    PyObject *sched = args[0], *out = args[1], *t0 = args[2];
+    if (!self->ready) {
+        int r = steps_ready(self);
+        if (r <= 0)
+            return r < 0 ? NULL : Py_NewRef(Py_False);
+    }
+    if (PyDict_GET_SIZE(self->chunks) != 0)
+        Py_RETURN_FALSE;
+    int64_t t1 = now_ns();
+    PyObject *result = NULL, *news = NULL, *cached = NULL, *ids = NULL, *resumed = NULL, *comps = NULL,
+             *new_ids = NULL, *num_sched = NULL, *total = NULL, *step = NULL, *kvm = NULL, *pool = NULL,
+             *gpu_blocks = NULL, *free = NULL, *waiting = NULL, *holding = NULL, *budget = NULL, *running = NULL,
+             *max_running = NULL, *preempted = NULL, *seen = NULL, *num_waiting = NULL, *admission = NULL,
+             *row = NULL, *due = NULL;
+    Py_ssize_t n;
+    /* a step this handles: nothing new, nothing resumed (every cached request decodes) */
+    if ((news = PyObject_GetAttr(out, s_scheduled_new_reqs)) == NULL || (n = PyObject_Length(news)) < 0)
+        goto done;
+    if (n != 0) {
+        result = Py_NewRef(Py_False);
+        goto done;
+    }
+    if ((cached = PyObject_GetAttr(out, s_scheduled_cached_reqs)) == NULL
+        || (ids = PyObject_GetAttr(cached, s_req_ids)) == NULL || optional_attr(cached, s_resumed_req_ids, &resumed) < 0)
+        goto done;
+    if (resumed != NULL && resumed != Py_None) {
+        int r = PyObject_IsTrue(resumed);
+        if (r < 0)
+            goto done;
+        if (r) {
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    Py_ssize_t decoding = PyObject_Length(ids), nsched;
+    long long total_v;
+    if (decoding < 0 || (num_sched = PyObject_GetAttr(out, s_num_scheduled_tokens)) == NULL
+        || (nsched = PyObject_Length(num_sched)) < 0
+        || (total = PyObject_GetAttr(out, s_total_num_scheduled_tokens)) == NULL
+        || ((total_v = PyLong_AsLongLong(total)) == -1 && PyErr_Occurred())
+        || (step = PyObject_GetAttr(sched, s_current_step)) == NULL)
+        goto done;
+    /* the step id for the probes (ctx.step) and for the worker (travels with the output, pickled) */
+    if (PyObject_SetAttr(self->ctx, s_step, step) < 0)
+        goto done;
+    if (PyObject_SetAttr(out, s_kvtrace_step, step) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            goto done;
+        PyErr_Clear();
+    }
+    if (decoding > 0) {
+        if ((comps = PyObject_GetAttr(cached, s_num_computed_tokens)) == NULL
+            || (new_ids = PyObject_GetAttr(cached, s_new_block_ids)) == NULL)
+            goto done;
+        /* every row 1 token (the usual case) when the rows' total says so */
+        PyObject *add_args[6] = {step, ids, comps, new_ids, Py_None, total_v == decoding ? Py_None : num_sched};
+        if ((due = DecodeLog_add((DecodeLog *)self->decode_log, add_args, 6)) == NULL)
+            goto done;
+        if (due == Py_True) {
+            PyObject *r = PyObject_CallMethodNoArgs(self->probe, s_take);
+            if (r == NULL)
+                goto done;
+            Py_DECREF(r);
+        }
+    }
+    long long blocks_total, free_v;
+    if ((kvm = PyObject_GetAttr(sched, s_kv_cache_manager)) == NULL
+        || (pool = PyObject_GetAttr(kvm, s_block_pool)) == NULL
+        || (gpu_blocks = PyObject_GetAttr(pool, s_num_gpu_blocks)) == NULL
+        || ((blocks_total = PyLong_AsLongLong(gpu_blocks) - 1) == -2 && PyErr_Occurred())
+        || (free = PyObject_CallOneArg(self->free_blocks, pool)) == NULL
+        || ((free_v = PyLong_AsLongLong(free)) == -1 && PyErr_Occurred()))
+        goto done;
+    /* waiting: vLLM's queue, and those holding KV blocks (0.32+) or passed over (0.26-0.27's own queue) */
+    if ((waiting = PyObject_GetAttr(sched, s_waiting)) == NULL
+        || optional_attr(sched, s_kv_holding_waiting, &holding) < 0)
+        goto done;
+    if (holding == Py_None)
+        Py_CLEAR(holding);
+    if (holding == NULL && optional_attr(sched, s_skipped_waiting, &holding) < 0)
+        goto done;
+    Py_ssize_t nw = queue_len(self, waiting), nh = holding == NULL ? 0 : queue_len(self, holding), nrunning;
+    long long preempted_v;
+    if (nw < 0 || nh < 0 || (num_waiting = PyLong_FromSsize_t(nw + nh)) == NULL
+        || (budget = PyObject_GetAttr(sched, s_max_num_scheduled_tokens)) == NULL
+        || (running = PyObject_GetAttr(sched, s_running)) == NULL || (nrunning = PyObject_Length(running)) < 0
+        || (max_running = PyObject_GetAttr(sched, s_max_num_running_reqs)) == NULL
+        || (preempted = PyObject_GetAttr(self->probe, s_preempted_this_step)) == NULL
+        || ((preempted_v = PyLong_AsLongLong(preempted)) == -1 && PyErr_Occurred())
+        || (seen = PyObject_GetAttr(self->probe, s_seen)) == NULL)
+        goto done;
+    if (nw + nh == 0 && preempted_v == 0 && seen == Py_None)
+        admission = Py_NewRef(s_none);
+    else if ((admission = PyObject_CallMethodObjArgs(self->probe, s_admission_stop, sched, total, budget, num_waiting,
+                                                     NULL)) == NULL)
+        goto done;
+    if ((row = PyList_New(STEP_ROW_LEN)) == NULL)
+        goto done;
+    PyObject *zero = PyLong_FromLong(0); /* a cached small int: never NULL */
+    PyObject *values[STEP_ROW_LEN] = {
+        Py_NewRef(step), Py_NewRef(t0), PyLong_FromLongLong(t1), Py_NewRef(Py_None), Py_NewRef(total),
+        Py_NewRef(zero), Py_NewRef(total), Py_NewRef(zero), PyLong_FromSsize_t(nsched), PyLong_FromSsize_t(nrunning),
+        Py_NewRef(num_waiting), PyLong_FromLongLong(blocks_total - free_v), PyLong_FromLongLong(blocks_total),
+        Py_NewRef(budget), Py_NewRef(max_running), Py_NewRef(admission), Py_NewRef(preempted), Py_NewRef(zero),
+        Py_NewRef(zero), Py_NewRef(zero), Py_NewRef(zero), zero};
+    int failed = 0;
+    for (int i = 0; i < STEP_ROW_LEN; i++) {
+        failed |= values[i] == NULL;
+        PyList_SET_ITEM(row, i, values[i]); /* a NULL item is fine in a list that is dropped at once */
+    }
+    if (failed || PyDict_SetItem(self->pending, step, row) < 0)
+        goto done;
+    result = Py_NewRef(Py_True);
+done:
+    Py_XDECREF(news); Py_XDECREF(cached); Py_XDECREF(ids); Py_XDECREF(resumed); Py_XDECREF(comps);
+    Py_XDECREF(new_ids); Py_XDECREF(num_sched); Py_XDECREF(total); Py_XDECREF(step); Py_XDECREF(kvm);
+    Py_XDECREF(pool); Py_XDECREF(gpu_blocks); Py_XDECREF(free); Py_XDECREF(waiting); Py_XDECREF(holding);
+    Py_XDECREF(budget); Py_XDECREF(running); Py_XDECREF(max_running); Py_XDECREF(preempted); Py_XDECREF(seen);
+    Py_XDECREF(num_waiting); Py_XDECREF(admission); Py_XDECREF(row); Py_XDECREF(due);
+    return result;
+}
+
+static PyObject *StepRows_end(StepRows *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "end(sched, step)");
+        return NULL;
+    }
+    if (self->probe == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "StepRows cleared");
+        return NULL;
+    }
+    PyObject *sched = args[0], *step = args[1];
+    if (!self->ready || PyDict_GET_SIZE(self->first_due) != 0)
+        Py_RETURN_FALSE; /* first tokens due: the Python method looks at those requests */
+    int64_t t = now_ns();
+    PyObject *row = PyDict_GetItemWithError(self->pending, step), *tuple = NULL, *r = NULL, *running = NULL;
+    if (row == NULL && PyErr_Occurred())
+        return NULL;
+    if (row != NULL) {
+        Py_INCREF(row);
+        if (PyDict_DelItem(self->pending, step) < 0)
+            goto error;
+        if (!PyList_CheckExact(row) || PyList_GET_SIZE(row) != STEP_ROW_LEN) {
+            PyErr_SetString(PyExc_TypeError, "StepRows: a pending step row is not a list of the steps columns");
+            goto error;
+        }
+        PyObject *t_end = PyLong_FromLongLong(t), *finished;
+        if (t_end == NULL)
+            goto error;
+        PyList_SetItem(row, 3, t_end);
+        if ((finished = PyObject_GetAttr(self->probe, s_finished_in_update)) == NULL)
+            goto error;
+        PyList_SetItem(row, 19, finished);
+        if ((tuple = PyList_AsTuple(row)) == NULL || (r = PyObject_CallMethodOneArg(self->steps, s_append, tuple)) == NULL)
+            goto error;
+        Py_CLEAR(r);
+    }
+    /* the engine goes idle (it blocks on its input queue next): rows held as columns go to the recorder
+       (`running` first: while requests run the engine is busy, and has_requests() is four of vLLM's calls) */
+    int busy;
+    if ((running = PyObject_GetAttr(sched, s_running)) == NULL || (busy = PyObject_IsTrue(running)) < 0)
+        goto error;
+    if (!busy) {
+        int has;
+        if ((r = PyObject_CallMethodNoArgs(sched, s_has_requests)) == NULL || (has = PyObject_IsTrue(r)) < 0)
+            goto error;
+        Py_CLEAR(r);
+        if (!has && (r = PyObject_CallMethodNoArgs(self->probe, s_went_idle)) == NULL)
+            goto error;
+    }
+    Py_XDECREF(row); Py_XDECREF(tuple); Py_XDECREF(r); Py_XDECREF(running);
+    Py_RETURN_TRUE;
+error:
+    Py_XDECREF(row); Py_XDECREF(tuple); Py_XDECREF(r); Py_XDECREF(running);
+    return NULL;
+}
+
+static int StepRows_traverse(StepRows *self, visitproc visit, void *arg) {
+    Py_VISIT(self->probe); Py_VISIT(self->decode_log); Py_VISIT(self->pending); Py_VISIT(self->chunks);
+    Py_VISIT(self->first_due); Py_VISIT(self->steps); Py_VISIT(self->ctx); Py_VISIT(self->free_blocks);
+    Py_VISIT(self->queue_lengths);
+    return 0;
+}
+
+static int StepRows_clear(StepRows *self) {
+    Py_CLEAR(self->probe); Py_CLEAR(self->decode_log); Py_CLEAR(self->pending); Py_CLEAR(self->chunks);
+    Py_CLEAR(self->first_due); Py_CLEAR(self->steps); Py_CLEAR(self->ctx); Py_CLEAR(self->free_blocks);
+    Py_CLEAR(self->queue_lengths);
+    return 0;
+}
+
+static void StepRows_dealloc(StepRows *self) {
+    PyObject_GC_UnTrack(self);
+    StepRows_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef StepRows_methods[] = {
+    {"decode", (PyCFunction)(void (*)(void))StepRows_decode, METH_FASTCALL,
+     "decode(sched, out, t0) -> bool: a step that only decodes recorded (False: not such a step, nothing done)"},
+    {"end", (PyCFunction)(void (*)(void))StepRows_end, METH_FASTCALL,
+     "end(sched, step) -> bool: the step's row handed over (False: first tokens due, nothing done)"},
+    {NULL}};
+
+static PyMemberDef StepRows_members[] = {
+    {"ready", KVT_T_BOOL, offsetof(StepRows, ready), KVT_READONLY, "steps are handled (the engine's configuration is recorded)"},
+    {NULL}};
+
+static PyTypeObject StepRowsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtrace.probes._columns.StepRows",
+    .tp_basicsize = sizeof(StepRows),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "the scheduler probe's per-step rows of a step that only decodes (see probes/vllm/scheduler.py)",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)StepRows_init,
+    .tp_dealloc = (destructor)StepRows_dealloc,
+    .tp_traverse = (traverseproc)StepRows_traverse,
+    .tp_clear = (inquiry)StepRows_clear,
+    .tp_methods = StepRows_methods,
+    .tp_members = StepRows_members,
+};
+
+static int intern_step_names(void) {
+    struct {
+        PyObject **at;
+        const char *name;
+    } names[] = {{&s_current_step, "current_step"}, {&s_scheduled_new_reqs, "scheduled_new_reqs"},
+                 {&s_scheduled_cached_reqs, "scheduled_cached_reqs"}, {&s_req_ids, "req_ids"},
+                 {&s_resumed_req_ids, "resumed_req_ids"}, {&s_num_computed_tokens, "num_computed_tokens"},
+                 {&s_new_block_ids, "new_block_ids"}, {&s_num_scheduled_tokens, "num_scheduled_tokens"},
+                 {&s_total_num_scheduled_tokens, "total_num_scheduled_tokens"},
+                 {&s_kv_cache_manager, "kv_cache_manager"}, {&s_block_pool, "block_pool"},
+                 {&s_num_gpu_blocks, "num_gpu_blocks"}, {&s_waiting, "waiting"},
+                 {&s_kv_holding_waiting, "kv_holding_waiting"}, {&s_skipped_waiting, "skipped_waiting"},
+                 {&s_max_num_scheduled_tokens, "max_num_scheduled_tokens"}, {&s_running, "running"},
+                 {&s_max_num_running_reqs, "max_num_running_reqs"}, {&s_preempted_this_step, "preempted_this_step"},
+                 {&s_seen, "seen"}, {&s_kvtrace_step, "_kvtrace_step"}, {&s_admission_stop, "_admission_stop"},
+                 {&s_take, "take"}, {&s_finished_in_update, "finished_in_update"}, {&s_has_requests, "has_requests"},
+                 {&s_went_idle, "went_idle"}, {&s_append, "append"}, {&s_none, "none"},
+                 {&s_config_recorded, "config_recorded"}, {&s_inject, "inject"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL)
+            return -1;
+    return 0;
+}
+
 /* ---- Arrow C data interface: a log's column buffers as one record batch ------------------------
    pa.Array.from_buffers per column (two or three pa.py_buffer each) and RecordBatch.from_arrays cost
    ~6 us a column in pyarrow's Python layer (~140 us for the 22 columns of `steps`, several times that
@@ -2357,10 +2700,11 @@ PyMODINIT_FUNC PyInit__columns(void) {
     s_block_id = PyUnicode_InternFromString("block_id");
     s_block_hash = PyUnicode_InternFromString("block_hash");
     s_null_block = PyUnicode_InternFromString("null_block");
-    if (!s_request_id || !s_request || !s_step || !s_block_id || !s_block_hash || !s_null_block)
+    if (!s_request_id || !s_request || !s_step || !s_block_id || !s_block_hash || !s_null_block
+        || intern_step_names() < 0)
         return NULL;
     if (PyType_Ready(&BlockLogType) < 0 || PyType_Ready(&DecodeLogType) < 0 || PyType_Ready(&RowLogType) < 0
-        || PyType_Ready(&BlockHookType) < 0)
+        || PyType_Ready(&BlockHookType) < 0 || PyType_Ready(&StepRowsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)
@@ -2369,6 +2713,7 @@ PyMODINIT_FUNC PyInit__columns(void) {
         || PyModule_AddObjectRef(m, "DecodeLog", (PyObject *)&DecodeLogType) < 0
         || PyModule_AddObjectRef(m, "RowLog", (PyObject *)&RowLogType) < 0
         || PyModule_AddObjectRef(m, "BlockHook", (PyObject *)&BlockHookType) < 0
+        || PyModule_AddObjectRef(m, "StepRows", (PyObject *)&StepRowsType) < 0
         || PyModule_AddIntConstant(m, "FRAMES_NATIVE",
 #if defined(KVT_FRAMES_INTERNAL) || defined(KVT_FRAMES_PUBLIC)
                                    1

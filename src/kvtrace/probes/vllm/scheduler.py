@@ -19,7 +19,11 @@ trigger, no transposition by the writer. Only
 requests in a prefill (new, resumed, or whose prompt is still being chunked: `prefill_chunks`) take the
 per-request path. `update_from_output` looks only at the requests whose prefill completed in that step
 (first tokens), never at every output. The wrappers keep vLLM's parameter lists (`exact_wrapper`), so
-vLLM's calls through them stay specialised.
+vLLM's calls through them stay specialised. Where `_columns.c` builds, a step in which every request
+decodes (the usual step of a busy engine) skips `on_schedule` and `after_update` altogether: a `StepRows`
+makes the same rows in C (`record/_columns.c`; the Python methods are the reference, and run every other
+step). Under an engine, vLLM's work between two steps evicts the probe's bytecode and data from the
+caches, and the ~300 bytecodes of those two methods cost several times what they do warm.
 
 `allocate_slots`, called once per running request per step, is not wrapped at class level (a wrapper
 there cost ~2.3% of a scheduling step). For the kv-insuf check, the scheduler's `kv_cache_manager`
@@ -51,10 +55,12 @@ from kvtrace.probes.base import (
     request_lengths_are_fields,
     returns_field_of_field,
 )
-from kvtrace.record.buffers import decode_log, positions
+from kvtrace.record.buffers import decode_log, positions, step_rows
 from kvtrace.record.context import ctx
 
 _now = time.monotonic_ns
+# False: every step through the Python methods, also where StepRows is built (tests compare the two)
+NATIVE_STEPS = True
 SCHED = "vllm.v1.core.sched.scheduler"
 KVM = "vllm.v1.core.kv_cache_manager"
 
@@ -254,6 +260,14 @@ class SchedulerProbe(Probe):
         # wrapper costs an argument tuple, a dict and a C-level call each time). Each body names
         # vLLM's own parameters (checked by `targets()`); `{call}` calls the original.
         env = self.wrapper_env()
+        # A step that only decodes: its rows in C where StepRows is built (None: the Python methods)
+        env["rows"] = rows = step_rows(self, self.decode_log, self.steps, ctx, _FREE_BLOCKS, _QUEUE_LENGTHS) \
+            if NATIVE_STEPS else None
+        on_schedule = "probe.on_schedule({self}, out, t0)"
+        after_update = "probe.after_update({self}, step)"
+        if rows is not None:
+            on_schedule = "rows.decode({self}, out, t0) or " + on_schedule
+            after_update = "rows.end({self}, step) or " + after_update
         # vLLM 0.32+'s schedule(throttle_prefills=...), passed to prefill_hold by name where it exists
         # (`locals()` would build the wrapper's frame object and a dict of its locals every step)
         throttle = "throttle_prefills" if "throttle_prefills" in inspect.signature(Scheduler.schedule).parameters \
@@ -286,10 +300,10 @@ class SchedulerProbe(Probe):
     try:
         if probe.nvtx_on:
             probe.nvtx_close(keep_step=True)
-        probe.on_schedule({self}, out, t0)
+        {on_schedule}
     except Exception as exc:
         probe.fail(exc)
-    return out""".replace("{throttle}", throttle),
+    return out""".replace("{throttle}", throttle).replace("{on_schedule}", on_schedule),
             "update_from_output": """
     if not probe.enabled:
         return {call}
@@ -303,10 +317,12 @@ class SchedulerProbe(Probe):
     probe.finished_in_update = 0
     result = {call}
     try:
-        probe.after_update({self}, step)
+        if probe.nvtx_on:
+            probe.nvtx_close(keep_step=False)
+        {after_update}
     except Exception as exc:
         probe.fail(exc)
-    return result""",
+    return result""".replace("{after_update}", after_update),
             # Arrival and queued rows, inline: a handler call per request cost about as much as its rows.
             "add_request": """
     if probe.enabled:
@@ -360,8 +376,6 @@ class SchedulerProbe(Probe):
 
     def after_update(self, sched: Any, step: int) -> None:
         """The step ends: its row, and the first tokens of the requests whose prefill completed in it."""
-        if self.nvtx_on:
-            self.nvtx_close(keep_step=False)
         t = _now()
         row = self.pending_steps.pop(step, None)
         due = self.first_token_due.pop(step, None)
@@ -378,13 +392,18 @@ class SchedulerProbe(Probe):
             row[19] = self.finished_in_update
             self.steps.append(tuple(row))
         if not sched.running and not sched.has_requests():
-            # The engine goes idle (it blocks on its input queue next): rows held as columns would
-            # otherwise wait there for the next request, or be lost to a kill. (`running` first: while
-            # requests run the engine is busy, and has_requests() is four of vLLM's calls, ~1.5 us a
-            # step. An engine paused with requests running keeps its rows until the next hand-over.)
-            from kvtrace.probes.lifecycle import take_pending
+            # (`running` first: while requests run the engine is busy, and has_requests() is four of
+            # vLLM's calls, ~1.5 us a step. An engine paused with requests running keeps its rows until
+            # the next hand-over.)
+            self.went_idle()
 
-            take_pending()
+    @staticmethod
+    def went_idle() -> None:
+        """The engine goes idle (it blocks on its input queue next): rows held as columns would otherwise
+        wait there for the next request, or be lost to a kill."""
+        from kvtrace.probes.lifecycle import take_pending
+
+        take_pending()
 
     # ---- kv-insuf: allocate_slots seen only while the waiting queue is admitted ---------------
     def may_watch(self, kvm: Any) -> bool:
