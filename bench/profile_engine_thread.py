@@ -141,14 +141,15 @@ class HookTimes:
             from vllm.v1.core.sched.scheduler import Scheduler
         except Exception:
             return
-        env = getattr(Scheduler.schedule, "__globals__", {})
-        rows = env.get("rows")
+        envs = [getattr(fn, "__globals__", {}) for fn in (Scheduler.schedule, Scheduler.update_from_output)]
+        rows = envs[0].get("rows")
         if rows is None or not hasattr(rows, "decode"):
             return
         stand_in = types.SimpleNamespace(decode=rows.decode, end=rows.end)
         for name in ("decode", "end"):
             self._wrap(stand_in, name, f"StepRows.{name}")
-        env["rows"] = stand_in
+        for env in envs:  # each wrapper has its own globals
+            env["rows"] = stand_in
 
     def _wrap(self, obj: object, name: str, key_name: str | None = None) -> None:
         fn = getattr(obj, name, None)
