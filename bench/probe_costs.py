@@ -18,6 +18,7 @@ import collections
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 # Run as `python bench/probe_costs.py`, this directory is first on sys.path; bench_host_probes puts the
@@ -59,6 +60,20 @@ def wrap_handlers() -> None:
             setattr(cls, name, _timed(f"{cls.__name__}.{name}", getattr(cls, name)))
 
 
+def wrap_step_rows() -> None:
+    """The scheduler probe's decode steps in C (`StepRows`) are a name in its wrappers' globals, set at
+    install: timed there, by a stand-in."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    envs = [Scheduler.schedule.__globals__, Scheduler.update_from_output.__globals__]
+    rows = envs[0].get("rows")
+    if rows is None:
+        return
+    stand_in = types.SimpleNamespace(decode=_timed("StepRows.decode", rows.decode), end=_timed("StepRows.end", rows.end))
+    for env in envs:
+        env["rows"] = stand_in
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds (after one warm-up)")
@@ -75,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = Recorder(Path(tmp) / "session", "engine", {})
         for i in range(args.rounds + 1):
             probes = host.install_probes(rec, host.HOST_PROBES)
+            wrap_step_rows()
             TOTAL.clear()
             CALLS.clear()
             _, c = host.run_round(model, cfg, prompts, 256, 96)
