@@ -194,13 +194,12 @@ def _run_timed(engine: ReplayEngine, w: Workload, s: SchedulerSettings, session_
         if i < n and not engine.has_work() and pending[i].queued_ns > now:  # idle until the next arrival
             time.sleep((pending[i].queued_ns - now) / 1e9)
             now = time.monotonic_ns() - start
-        # Queue what is due, then look at the clock again: a request that came due while others were
-        # being queued belongs to this step boundary too (the clock is read last just before the step).
+        # The clock read again after each request queued: one that came due while others were being
+        # queued belongs to this step boundary too.
         while i < n and pending[i].queued_ns <= now:
-            while i < n and pending[i].queued_ns <= now:
-                r = pending[i]
-                engine.add(r.request_id, sequence(r, s.block_size, VOCAB), r.prompt_tokens, r.output_tokens)
-                i += 1
+            r = pending[i]
+            engine.add(r.request_id, sequence(r, s.block_size, VOCAB), r.prompt_tokens, r.output_tokens)
+            i += 1
             now = time.monotonic_ns() - start
         t = time.monotonic_ns()
         scheduled = engine.step(forward)

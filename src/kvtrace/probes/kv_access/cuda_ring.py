@@ -102,7 +102,8 @@ class _Launch:
     """A prepared kernel launch: the argument struct and the kernelParams array pointing at it.
 
     cuLaunchKernel copies the arguments at launch (and at capture), so one struct serves every layer.
-    `fn` (a CUfunction pointer, or None: the ring's kv_record) and `threads` (per block) say what it runs.
+    `fn` (a CUfunction pointer; None where the caller names the function, as begin_step does for its state
+    launch) and `threads` (per block) say what `record_layer` runs.
     """
 
     __slots__ = ("args", "params", "params_addr", "grid", "smem", "fn", "threads")
