@@ -8,7 +8,9 @@ id. Variants, each timed over batches of launches (the stream synchronized betwe
 timing, so the launch queue never fills), alternating over rounds in one process: wall and thread CPU per
 call, medians over rounds.
 
-- `begin_step`: the ring's own (auto drain off: the drain is measured by bench_kv_drain.py);
+- `begin_step + its launch`: the ring's own (auto drain off: the drain is measured by bench_kv_drain.py),
+  then its deferred state launch (made in a step just before the ring's first kernel or graph replay);
+- `begin_step (launch deferred)`: begin_step alone;
 - `native state launch`: `_drain.c`'s `state_launch` alone (what begin_step calls where it is built: the
   argument struct's fields written and the launch, in one call that keeps the GIL);
 - `native launch`: `_drain.c`'s `launch` alone (the record kernels' launch where it is built);
@@ -68,7 +70,8 @@ def main() -> None:
         a.step, a.active, a.set = ring.step, int(ring.active), 1
 
     variants = {
-        "begin_step": lambda i: ring.begin_step(i),
+        "begin_step + its launch": lambda i: ring.begin_step(i) or ring._launch_due(),
+        "begin_step (launch deferred)": lambda i: ring.begin_step(i),
         "cupy launch": lambda i: cupy_launch(fn, 1, 1, 1, 32, 1, 1, 0, stream(), params, 0),
         "ctypes launch (GIL let go)": lambda i: released(fn, 1, 1, 1, 32, 1, 1, 0, stream(), params, None),
         "ctypes launch (GIL kept)": lambda i: kept(fn, 1, 1, 1, 32, 1, 1, 0, stream(), params, None),

@@ -75,6 +75,9 @@ VARIANTS = {
     # the default granularity with the ring's kernels launched through CuPy (which lets the GIL go around
     # each launch) instead of _drain.c's launch (which keeps it)
     "default-cupy-launch": ["--options-json", '{"kv_native_launch": false}'],
+    # the default granularity with the per-step state launch made in begin_step, at the top of the step,
+    # instead of just before the ring's first kernel or graph replay
+    "default-eager-state": ["--options-json", '{"kv_defer_state": false}'],
     # the default granularity on one step in 64: the per-step hooks stay, the device records go
     "default-sample-64": ["--kv-sample-every", "64"],
     # the default granularity with the ring drained by Python (torch copies, NumPy) instead of _drain.c

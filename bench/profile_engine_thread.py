@@ -117,7 +117,7 @@ class HookTimes:
     """Wall time of kvtrace's per-step calls on the engine thread (`--hook-times`): instance attributes
     that shadow the ring's and the scheduler probe's methods, each call timed with `perf_counter_ns`."""
 
-    RING = ("begin_step", "record_layer", "drain", "_launch_kernel", "_capturing", "_snapshot")
+    RING = ("begin_step", "_launch_state", "record_layer", "drain", "_launch_kernel", "_capturing", "_snapshot")
     SCHEDULER = ("on_schedule", "after_update")
 
     def __init__(self) -> None:

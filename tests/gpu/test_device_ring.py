@@ -206,6 +206,32 @@ def test_begin_step_during_a_capture_is_refused_and_said():
     assert sum("during CUDA graph capture" in w for w in rg.warnings) == 1
 
 
+def test_a_replay_past_the_hook_is_said_and_the_step_id_is_set_at_begin_step_after():
+    """begin_step's state launch waits for the ring's next kernel or graph replay (torch.cuda.CUDAGraph.replay,
+    wrapped). A graph replayed past the wrapper runs with the step before's id: the forward pass ends with the
+    launch still due, which the ring says (its probe degraded) before launching at begin_step from then on."""
+    g, rg, _, _ = rings(capacity=1 << 12, granularity="blocks")
+    static = on_dev(make_metadata(random.Random(4), num_reqs=4))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g.record_layer(0, *static)
+    unhooked = torch.cuda.CUDAGraph.replay.__wrapped__
+    g.begin_step(1)
+    graph.replay()  # through the wrapper: the state launch goes first
+    assert not g._state_due and g.defer_state
+    g.begin_step(2)
+    unhooked(graph)  # past it: the kernel reads step 1's id
+    assert g._state_due
+    g.state_missed()
+    assert g.state_missed_steps == 1 and not g.defer_state and rg.status["attention"][0] == "degraded"
+    g.begin_step(3)  # launched here now
+    assert not g._state_due
+    unhooked(graph)
+    g.close()
+    steps = [r[0] for r in kv(rg)]
+    assert set(steps) == {1, 3} and steps.count(1) == 2 * steps.count(3) > 0
+
+
 @pytest.mark.parametrize("launch", ["native", "cupy"])
 def test_the_background_thread_drains_by_itself(launch):
     """auto_drain: rows reach the recorder while the ring runs, with no drain() or flush() call, from
@@ -215,7 +241,8 @@ def test_the_background_thread_drains_by_itself(launch):
     g, rg, c, rc = rings(capacity=1 << 12, granularity="blocks", timing_capacity=1 << 10)
     g.native_launch = launch == "native"
     if launch == "native" and not g.native_launch:
-        pytest.skip("the native launch (_drain.c) is not built here")
+        pytest.skip("the native launch is _drain.c's: with the Python drain (this case) or where it is not built, "
+                    "CuPy's launch only")
     assert g.native_launch == (launch == "native")
     for step in range(200):
         meta = make_metadata(rng, num_reqs=rng.randrange(1, 6))

@@ -642,9 +642,13 @@ class MemoryRecorder:
         self.buffers: dict[str, list] = {}
         self.dropped: dict[str, dict[str, int]] = {}
         self.warnings: list[str] = []
+        self.status: dict[str, tuple[str, str]] = {}  # probe -> (status, detail), as a session's proc.json keeps it
 
     def buffer(self, table: str) -> list:
         return self.buffers.setdefault(table, [])
+
+    def set_probe_status(self, probe: str, status: str, detail: str = "") -> None:
+        self.status[probe] = (status, detail)
 
     def append_columns(self, table: str, cols: dict[str, Any] | pa.RecordBatch) -> None:
         """Whole columns, kept as row tuples in the table's column order."""

@@ -11,7 +11,14 @@ Hot path (inference thread), per call:
     the replayed kernel runs beside attention rather than between two kernels.
   - `begin_step`: one 1-thread `kv_set_state` launch (step id and sampling flag into device memory, head
     snapshot), nothing else: the drains are the background thread's. Where `_drain.c` is built, one call
-    (`state_launch`) writes the launch's argument struct and launches.
+    (`state_launch`) writes the launch's argument struct and launches. The launch is deferred (`defer_state`)
+    until just before the ring's next kernel in stream order: its next `record_layer`, or the next replay of
+    a CUDA graph (`torch.cuda.CUDAGraph.replay`, wrapped like the capture hooks), or an explicit `drain`.
+    At the top of a step the driver is cold (the step's first CUDA call cost 20 us under a busy engine, the
+    same launch a moment later 6 us); by the first replay vLLM's own calls have warmed it. A step whose
+    forward pass ends with the launch still due ran its kernels past the replay hook (`state_missed`): its
+    records may carry the step before's id, which the probe's status says, and the launch is made at
+    `begin_step` from then on.
 The engine thread's launches go through `_drain.c`'s `launch`, which keeps the GIL (CuPy's
 `driver.launchKernel`, used where the module is not built, lets it go, and the engine's thread then waits for
 whichever thread took it); other threads' (the clock anchors, `flush`) go through CuPy's, since a launch can
@@ -206,6 +213,7 @@ class CudaKVAccessRing(KVAccessRing):
         self._fork_ev, self._join_ev = self._fork_event.cuda_event, self._join_event.cuda_event
         self._fork_pending = False  # a record kernel forked onto the side stream during a capture, unjoined
         self._capture_hooked = _install_capture_hooks()
+        self._replay_hooked = _install_replay_hook()
         if self.overlap:
             _OVERLAP_RINGS.add(self)
 
@@ -261,7 +269,19 @@ class CudaKVAccessRing(KVAccessRing):
         under a busy engine)."""
         return self._torch.cuda.is_current_stream_capturing()
 
+    # Defer begin_step's state launch to just before the ring's next kernel (see the module docstring);
+    # False: launch it in begin_step (benchmarks compare the two; also where graph replays cannot be hooked).
+    defer_state = True
+    _state_due = False          # begin_step's launch not made yet (the ring is in _STATE_DUE)
+    _deferred_error: BaseException | None = None  # a deferred launch failed in the replay hook: raised next step
+    state_missed_steps = 0      # steps whose forward pass ended with the launch still due (state_missed)
+    _kernels_made = False       # a record_layer has fitted launches (eagerly or into a captured graph)
+    _due_thread = 0             # the thread whose begin_step left the launch due
+
     def begin_step(self, step: int, record: bool = True) -> None:
+        if self._deferred_error is not None:
+            exc, self._deferred_error = self._deferred_error, None
+            raise exc  # the attention probe's wrapper fails the probe: the engine runs on unrecorded
         self._set_step(step, record)
         # CUDA is asked only while torch.cuda.CUDAGraph has a capture open (or where its captures could
         # not be counted): vLLM captures through it, and never calls begin_step then
@@ -273,6 +293,50 @@ class CudaKVAccessRing(KVAccessRing):
             return
         self._pass_tensors = None  # a forward pass's metadata tensors are held within that pass only
         self._counted = None
+        if self.defer_state and self._replay_hooked:
+            if not self._state_due:
+                self._state_due = True
+                self._due_thread = threading.get_ident()  # whose replays may make it (its current stream)
+                _STATE_DUE.append(self)
+        else:
+            self._launch_state()
+        if self._thread is None and self.auto_drain:
+            self._start_thread()
+
+    def _launch_due(self) -> None:
+        """Make begin_step's deferred state launch now (before a kernel of this ring, in stream order);
+        while a graph is being captured it stays due (in the graph it would freeze the step id)."""
+        if _CAPTURES[0] and self._capturing():
+            return
+        self._state_due = False
+        try:
+            _STATE_DUE.remove(self)
+        except ValueError:
+            pass
+        self._launch_state()
+
+    def state_missed(self) -> None:
+        """The step's forward pass is over and its state launch is still due: the pass ran none of this
+        ring's kernels through a path the ring sees (record_layer, a hooked graph replay). Where it ran
+        some (a graph replayed past the hook: captured before the hook was installed, or replayed through
+        something else than torch.cuda.CUDAGraph.replay) they read the step before's id and sampling flag.
+        Launch now, say so (the probe is degraded: those records may carry the wrong step) and launch at
+        begin_step from now on."""
+        self._launch_due()
+        if not self._kernels_made:
+            return  # no kernel of this ring yet (no attention layer read so far): nothing could be mislabeled
+        self.state_missed_steps += 1
+        if self.defer_state:
+            self.defer_state = False
+            set_status = getattr(self.recorder, "set_probe_status", None)
+            if set_status is not None:
+                set_status(self.probe, "degraded", f"KV access ring on {self.source}: step {self.step}'s "
+                           "forward pass ran no kernel through a path kvtrace sees (a CUDA graph replayed past "
+                           "its replay hook?): that step's KV records may carry the step before's id; the "
+                           "step id is now set at the start of each step")
+
+    def _launch_state(self) -> None:
+        """The kv_set_state launch: this step's id and sampling flag into device memory, head snapshot."""
         state_launch = self._state_launch_native
         if state_launch is not None:  # the struct's fields and the launch in one call (`_drain.state_launch`)
             state_launch(self._f_state, self._current_stream(), self._state_launch.params_addr,
@@ -282,8 +346,6 @@ class CudaKVAccessRing(KVAccessRing):
             a.step, a.active, a.set = self.step, int(self.active), 1
             self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
                                 self._state_launch.params_addr, 0)
-        if self._thread is None and self.auto_drain:
-            self._start_thread()
 
     @property
     def native_launch(self) -> bool:
@@ -323,6 +385,8 @@ class CudaKVAccessRing(KVAccessRing):
         self._fill_s = (now - prev[0]) / quarters if quarters > 0 else float("inf")
 
     def record_layer(self, layer_idx: int, slot_mapping, block_table, seq_lens, query_start_loc=None) -> None:
+        if self._state_due:  # begin_step's launch goes first, in stream order
+            self._launch_due()
         capturing = None
         if not self.active:
             capturing = self._capturing()
@@ -401,6 +465,7 @@ class CudaKVAccessRing(KVAccessRing):
             self._checked_key = key
         self._pass_tensors = (slot_mapping, block_table, seq_lens, query_start_loc)
         self._counted = None  # a new set: its first launch counts
+        self._kernels_made = True
 
     def _checked_args(self, slot_mapping, block_table, seq_lens, query_start_loc) -> _RecordArgs:
         """The launch arguments these tensors give every layer (its own layer and emit flag aside), once
@@ -443,6 +508,8 @@ class CudaKVAccessRing(KVAccessRing):
     def drain(self, _ack: threading.Event | None = None) -> None:
         if self.closed or self._capturing():
             return
+        if self._state_due:  # the snapshot of the last begin_step comes before this point
+            self._launch_due()
         self._start_thread()
         slot = self._snapshot()
         self._queue.put(("snap", slot, self._done_events[slot], _ack))
@@ -498,6 +565,9 @@ class CudaKVAccessRing(KVAccessRing):
             self._lost_uncounted(f"its final flush failed ({str(exc)[:200]})")
         self.closed = True
         self.active = False
+        self._state_due = False
+        if self in _STATE_DUE:
+            _STATE_DUE.remove(self)
         if self._thread is not None:
             self._queue.put(("stop", None, None, None))
             self._thread.join(timeout=30.0)
@@ -750,6 +820,8 @@ def empty_kernel_launcher(device_index: int):
 
 
 _OVERLAP_RINGS: weakref.WeakSet = weakref.WeakSet()
+# Rings whose begin_step launch is deferred and not made yet: the replay hook makes them before a graph runs.
+_STATE_DUE: list = []
 # CUDA graph captures through torch.cuda.CUDAGraph in this process: [open now, begun so far]
 _CAPTURES = [0, 0]
 
@@ -789,4 +861,40 @@ def _install_capture_hooks() -> bool:
 
     capture_begin._kvtrace_joins = capture_end._kvtrace_joins = True
     cls.capture_begin, cls.capture_end = capture_begin, capture_end
+    return True
+
+
+def _install_replay_hook() -> bool:
+    """Wrap torch.cuda.CUDAGraph.replay (once): before a graph runs, every ring's deferred state launch
+    (`_STATE_DUE`), since the graph may hold the ring's kernels. Installed when a ring is made, which the
+    attention probe does before vLLM captures: a capture that keeps the bound `graph.replay` (vLLM's
+    breakable graphs do) keeps the wrapper. A launch that fails is not raised into vLLM: the ring raises it
+    at its next begin_step. False where replay cannot be wrapped (begin_step then launches at once)."""
+    import torch
+
+    cls = getattr(torch.cuda, "CUDAGraph", None)
+    orig = getattr(cls, "replay", None)
+    if orig is None:
+        return False
+    if getattr(orig, "_kvtrace_state", False):
+        return True
+
+    def replay(self, *args, **kwargs):
+        if _STATE_DUE:
+            thread = threading.get_ident()
+            for ring in list(_STATE_DUE):
+                if ring._due_thread != thread:
+                    continue  # another thread's graph: not on the stream of the ring's step
+                try:
+                    ring._launch_due()
+                except Exception as exc:
+                    ring._state_due = False
+                    if ring in _STATE_DUE:
+                        _STATE_DUE.remove(ring)
+                    ring._deferred_error = exc
+        return orig(self, *args, **kwargs)
+
+    replay._kvtrace_state = True
+    replay.__wrapped__ = orig
+    cls.replay = replay
     return True

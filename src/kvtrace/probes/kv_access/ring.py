@@ -52,6 +52,10 @@ needed). Arguments:
         stream, never while a CUDA graph is being captured. Sets the step id in device memory (a tiny
         kernel: nothing per-step is frozen into a captured graph), decides sampling, snapshots the ring
         head (everything recorded before this call becomes drainable); CPU: drains when due (`auto_drain`).
+        GPU: the kernel is launched just before the ring's next kernel in stream order (its next
+        record_layer, the next torch.cuda.CUDAGraph.replay, or drain), where the step's first CUDA call
+        would cost more. After the forward pass, `state_missed()` when `_state_due` is still set (a graph
+        replayed past the hook: said in the probe's status, and the launch is made here from then on).
     ring.record_layer(layer_idx: int, slot_mapping, block_table, seq_lens, query_start_loc=None) -> None
         Call once per attention layer per forward pass (eagerly, or while capturing a CUDA graph: the
         launch is captured and replays read the step from device memory). Tensors as vLLM's attention
@@ -258,6 +262,10 @@ class KVAccessRing:
 
     backend = "base"
     source = "host"
+    _state_due = False  # the device ring's deferred begin_step launch (the CPU ring has none)
+
+    def state_missed(self) -> None:
+        """After a forward pass that left begin_step's work undone (the device ring's; nothing here)."""
 
     def __init__(self, capacity: int = 1 << 20, block_size: int = 16, granularity: str = "timing",
                  layers: str | Iterable[int] | None = None, sample_every: int = 1, recorder: Any = None,

@@ -165,6 +165,8 @@ class AttentionProbe(Probe):
                     result = orig(runner, scheduler_output, *args, **kwargs)
                 if probe.enabled and scheduler_output.total_num_scheduled_tokens:
                     try:
+                        if probe.ring._state_due:  # the pass ran no ring kernel where the ring could see it
+                            probe.ring.state_missed()
                         # a row per (step, slot) was 7.5-19 us a step at 256 requests (bench/
                         # bench_batch_slots.py); a decode batch keeps its rows for many steps, kept once
                         if probe.slots.add(step, req_ids(runner)):
@@ -355,6 +357,10 @@ class AttentionProbe(Probe):
             # CUDA ring, benchmarks: {"kv_native_launch": false} launches through CuPy, which lets the GIL
             # go around each launch, instead of _drain.c's launch, which keeps it
             ring.native_launch = bool(self.options["kv_native_launch"])
+        if "kv_defer_state" in self.options and hasattr(ring, "defer_state"):
+            # CUDA ring, benchmarks: {"kv_defer_state": false} makes the per-step state launch in
+            # begin_step, the step's first CUDA call, instead of just before the ring's first kernel
+            ring.defer_state = bool(self.options["kv_defer_state"])
         return ring
 
     def take(self) -> None:
