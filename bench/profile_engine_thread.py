@@ -61,8 +61,9 @@ with an interval over the pairs; the timers' own cost (~0.3 us a call) is the sa
 
 `--hook-times` (with `--threads`) times kvtrace's per-step calls on the engine thread over the same
 window, each wrapped in a `perf_counter_ns` pair (~0.2 us a call of its own): the KV ring's
-`begin_step`, `record_layer` and `drain`, and inside them its kernel launches (`begin_step`'s apart from
-the eager layers'), CUDA stream-capture queries and head snapshots; the scheduler probe's `on_schedule`
+`begin_step`, its per-step launch (`_launch_state`, deferred to just before the step's first graph
+replay or layer), `record_layer` and `drain`, and inside them its kernel launches (the eager layers'),
+CUDA stream-capture queries and head snapshots; the scheduler probe's `on_schedule`
 and `after_update`, and for the steps that only decode their C twins `StepRows.decode` and `.end`. It prints each one's us per engine step and the distribution of a call (median, 90th
 and 99th percentiles): what a call costs beside a running engine, where a microbenchmark on an idle GPU
 (bench_begin_step.py) sees only the best case.
@@ -184,13 +185,14 @@ class HookTimes:
 
 class DriverProbe:
     """`--driver-probe` (with `--hook-times`, a variant with the CUDA ring): after each `begin_step`, three
-    more CUDA calls on the same stream, each timed: the same `kv_set_state` launch again (idempotent: the
-    same step and flag, one more head snapshot), a 16-byte host-to-device copy from pinned memory, and an
-    event record, in an order that turns every step. What each costs beside the running engine, next to
-    `begin_step`'s own launch: whether a call is slow because it is the step's first (cold) or because any
-    call waits there (the driver's lock), which decides what could replace the per-step launch."""
+    more CUDA calls on the same stream, each timed: a `kv_set_state` launch with the argument struct as it
+    is (the last launch's step and flag; the ring's own launch for this step, deferred to just before the
+    first graph replay or layer, comes after it and sets this step's), a 16-byte host-to-device copy from
+    pinned memory, and an event record, in an order that turns every step. What each costs at the top of
+    a step beside the running engine, next to the deferred launch (`_launch_state`): whether a call is slow
+    because it is the step's first (cold) or because any call waits there (the driver's lock)."""
 
-    OPS = ("state launch again", "16 B copy to the device", "event record")
+    OPS = ("state launch", "16 B copy to the device", "event record")
 
     def __init__(self, ring, launch, ns: dict[str, list[int]]) -> None:
         import cupy
@@ -211,7 +213,7 @@ class DriverProbe:
         ring, rt, clock = self.ring, self.rt, time.perf_counter_ns
         stream = ring._current_stream()
         ops = {
-            "state launch again": lambda: self.launch(ring._f_state, 1, 1, 1, 32, 1, 1, 0, stream,
+            "state launch": lambda: self.launch(ring._f_state, 1, 1, 1, 32, 1, 1, 0, stream,
                                                       ring._state_launch.params_addr, 0),
             "16 B copy to the device": lambda: rt.memcpyAsync(self.dst.ptr, self.src.ptr, 16, 1, stream),
             "event record": lambda: rt.eventRecord(self.event, stream),
@@ -701,11 +703,11 @@ def main() -> None:
     ap.add_argument("--py-spy", metavar="PATH", help="with --threads: py-spy samples which thread holds the GIL "
                     "over the timed repetitions (its path)")
     ap.add_argument("--hook-times", action="store_true",
-                    help="with --threads: time kvtrace's per-step calls on the engine thread (begin_step, its "
+                    help="with --threads: time kvtrace's per-step calls on the engine thread (begin_step, its deferred "
                     "launch, record_layer, drain, the scheduler probe's handlers)")
     ap.add_argument("--driver-probe", action="store_true",
-                    help="with --hook-times: after each begin_step, time three more CUDA calls on its stream (the "
-                    "state launch again, a 16-byte copy to the device, an event record)")
+                    help="with --hook-times: after each begin_step, time three more CUDA calls on its stream ("
+                    "a state launch, a 16-byte copy to the device, an event record)")
     ap.add_argument("--ab", action="store_true",
                     help="in one recorded process, --reps pairs of repetitions: the ring recording vs paused")
     ap.add_argument("--ab-blocks", type=int, default=0, metavar="STEPS",
