@@ -14,11 +14,11 @@ Hot path (inference thread), per call:
     (`state_launch`) writes the launch's argument struct and launches. The launch is deferred (`defer_state`)
     until just before the ring's next kernel in stream order: its next `record_layer`, or the next replay of
     a CUDA graph (`torch.cuda.CUDAGraph.replay`, wrapped like the capture hooks), or an explicit `drain`.
-    At the top of a step the driver is cold (the step's first CUDA call cost 20 us under a busy engine, the
-    same launch a moment later 6 us); by the first replay vLLM's own calls have warmed it. A step whose
-    forward pass ends with the launch still due ran its kernels past the replay hook (`state_missed`): its
-    records may carry the step before's id, which the probe's status says, and the launch is made at
-    `begin_step` from then on.
+    At the top of a step the driver is cold (as the step's first CUDA call the launch took 20 us under the
+    1B engine on an H200, 9 us just before the first graph replay, once vLLM's own calls have warmed it).
+    A step whose forward pass ends with the launch still due ran its kernels past the replay hook
+    (`state_missed`): its records may carry the step before's id, which the probe's status says, and the
+    launch is made at `begin_step` from then on.
 The engine thread's launches go through `_drain.c`'s `launch`, which keeps the GIL (CuPy's
 `driver.launchKernel`, used where the module is not built, lets it go, and the engine's thread then waits for
 whichever thread took it); other threads' (the clock anchors, `flush`) go through CuPy's, since a launch can
