@@ -16,13 +16,16 @@ STAGES=${*:-env tests memcheck racecheck synccheck bench}
 declare -A RC
 
 # kvtrace must import: an offline editable install, else the source tree on PYTHONPATH (src/ is the package's
-# root; without the install the native row logs are not built and the Python ones are used).
+# root).
 if ! $PY -c "import kvtrace.probes.kv_access.ring" 2>/dev/null; then
     $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || true
     if ! $PY -c "import kvtrace.probes.kv_access.ring" 2>/dev/null; then
         export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     fi
 fi
+# The C extensions (native row logs, the ring's drain and launch), where the install did not build them:
+# without them the GPU tests' native cases skip
+PY=$PY OUT=$OUT bash scripts/gpu/build_native.sh
 
 run() {  # name timeout_s command...
     local name=$1 limit=$2

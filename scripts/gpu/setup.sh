@@ -39,15 +39,5 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"
         >"$SITE/kvtrace-0.1.0.dist-info/entry_points.txt"
     export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# The native row logs (kvtrace/record/_columns.c) and drain (kvtrace/probes/kv_access/_drain.c): a
-# setuptools that predates `ext-modules` in pyproject.toml installs without them, and kvtrace then falls
-# back to its slower Python code. Built again where the source is newer than the module (a machine kept
-# warm between calls keeps the module an earlier tree built).
-suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-for ext in kvtrace/record/_columns kvtrace/probes/kv_access/_drain; do
-    if [ "src/$ext.c" -nt "src/$ext$suffix" ] || ! python3 -c "import ${ext//\//.}" 2>/dev/null; then
-        gcc -O2 -std=c99 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-            "src/$ext.c" -o "src/$ext$suffix" \
-            >>"$OUT/install.log" 2>&1 || echo "setup: src/$ext.c did not build (see install.log); Python code is used" >&2
-    fi
-done
+# The native row logs and the ring's drain and launch, built for this Python (C extensions; see the script)
+PY=python3 OUT=$OUT bash scripts/gpu/build_native.sh
