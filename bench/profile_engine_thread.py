@@ -49,7 +49,10 @@ code does to vLLM's (caches, the GIL hand-overs it causes), as a paired ratio of
 one process: the way to read ~1% on a host-bound engine whose speed moves by 10-60% between 100 ms
 windows (bench/cpu_speed_probe.py). Outside it: the off-block's residue (a wrapper's call, the exiting
 kernels) and the background threads' work (the GIL they hold: `--threads --py-spy`). `--ab-pause
-none` switches nothing (an A/A: the noise and bias of the pairing itself). A probe that fails during the
+none` switches nothing (an A/A: the noise and bias of the pairing itself). `--ab-pause state` records in both
+blocks and moves the ring's per-step state launch: deferred to just before the step's first graph replay
+or layer in one block (the default), made in `begin_step` at the top of the step in the other
+(`defer_state`): what deferring it gains the step, side by side in one process. A probe that fails during the
 run (switched off for good) spoils the comparison: the report says so.
 
 `--ab-calls` (with `--ab-blocks`) also times vLLM's own methods on the engine thread per call, each call
@@ -399,6 +402,9 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     ring = kv_ring()
     if ring is None and args.ab_pause == "records":
         raise SystemExit("profile --ab-blocks: no KV ring in this process (run a variant that records KV accesses)")
+    if args.ab_pause == "state" and not hasattr(ring, "defer_state"):
+        raise SystemExit("profile --ab-pause state: no CUDA KV ring in this process (run a variant that records KV "
+                         "accesses, on a GPU)")
     pause = KvtracePause(ring) if args.ab_pause == "all" else None
     if args.ab_pause == "all" and not pause.probes:
         raise SystemExit("profile --ab-pause all: no kvtrace probe in this process (run a recorded variant)")
@@ -417,6 +423,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         elif args.ab_pause == "records":
             # the flag is read at the step's begin_step, inside this call (the step it schedules)
             ring.sample_every = 1 if recording else PAUSED
+        elif args.ab_pause == "state":  # read at the step's begin_step too
+            ring.defer_state = recording
         t0 = time.perf_counter_ns()
         out = original()
         calls.append((block, recording, n % size, time.perf_counter_ns() - t0))
@@ -434,6 +442,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         pause.set(True)
     if ring is not None:
         ring.sample_every = 1
+        if args.ab_pause == "state":
+            ring.defer_state = True
     Path(args.result).write_text(json.dumps({"block_steps": size, "calls": calls, "wall_s": seconds,
                                              "paused": args.ab_pause,
                                              "rows": drained_rows(ring) - rows0,
@@ -536,7 +546,8 @@ def pooled_report(paths: list[str]) -> str:
 
 
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)
-PAUSE_NAMES = {"records": ("recording", "paused"), "all": ("kvtrace on", "kvtrace off"), "none": ("A", "A again")}
+PAUSE_NAMES = {"records": ("recording", "paused"), "all": ("kvtrace on", "kvtrace off"), "none": ("A", "A again"),
+               "state": ("state launch deferred", "state launch in begin_step")}
 
 
 def ab_report(variant: str, reps: list[dict]) -> str:

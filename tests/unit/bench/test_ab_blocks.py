@@ -169,3 +169,38 @@ def test_block_call_times_wrap_vllms_methods_and_put_them_back(profile):
     finally:
         times.remove()
     assert BlockPool.__dict__["get_new_blocks"] is before
+
+
+def test_the_state_comparison_moves_the_rings_state_launch_by_block_and_puts_it_back(profile, monkeypatch, tmp_path):
+    """--ab-pause state: both blocks record; one defers the ring's per-step state launch, the other makes it in
+    begin_step (the flag is read at the step's begin_step, inside the engine's step)."""
+    import types
+
+    ring = types.SimpleNamespace(defer_state=True, sample_every=1, stats={})
+    monkeypatch.setattr(profile, "kv_ring", lambda: ring)
+    seen = []
+
+    class Engine:
+        def step(self):
+            seen.append(ring.defer_state)
+
+    class LLM:
+        llm_engine = Engine()
+
+        def generate(self, prompts, params, use_tqdm=False):
+            for _ in range(8):
+                self.llm_engine.step()
+
+    args = types.SimpleNamespace(ab_blocks=2, ab_pause="state", ab_calls=False, reps=1,
+                                 result=str(tmp_path / "r.json"))
+    profile.ab_blocks_worker(args, LLM(), None, lambda rep: [])
+    assert seen == [profile.block_records(n // 2) for n in range(8)] == [True, True, False, False, False, False, True, True]
+    assert ring.defer_state is True  # as it was, after the run
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["paused"] == "state" and len(r["calls"]) == 8
+    blocks = [[10.0] * 4 for _ in range(4)]
+    report = profile.ab_blocks_report("default", {**r, "block_steps": 4, "calls": calls_of(profile, blocks, 4)})
+    assert "state launch deferred / state launch in begin_step, paired over 2 pairs" in report, report
+    args.ab_pause, ring = "state", None
+    with pytest.raises(SystemExit, match="no CUDA KV ring"):
+        profile.ab_blocks_worker(args, LLM(), None, lambda rep: [])
