@@ -278,14 +278,17 @@ class CudaKVAccessRing(KVAccessRing):
     _kernels_made = False       # a record_layer has fitted launches (eagerly or into a captured graph)
     _due_thread = 0             # the thread whose begin_step left the launch due
 
+    def _in_capture(self) -> bool:
+        """Whether a graph is being captured, CUDA asked only while torch.cuda.CUDAGraph has a capture open
+        (or where its captures could not be counted): vLLM captures through it, never mid-step."""
+        return bool(_CAPTURES[0] or not self._capture_hooked) and self._capturing()
+
     def begin_step(self, step: int, record: bool = True) -> None:
         if self._deferred_error is not None:
             exc, self._deferred_error = self._deferred_error, None
             raise exc  # the attention probe's wrapper fails the probe: the engine runs on unrecorded
         self._set_step(step, record)
-        # CUDA is asked only while torch.cuda.CUDAGraph has a capture open (or where its captures could
-        # not be counted): vLLM captures through it, and never calls begin_step then
-        if (_CAPTURES[0] or not self._capture_hooked) and self._capturing():
+        if self._in_capture():
             if not self._warned_capture:
                 self._warned_capture = True
                 self._warn("KVAccessRing.begin_step called during CUDA graph capture: ignored (it would "
@@ -306,14 +309,16 @@ class CudaKVAccessRing(KVAccessRing):
     def _launch_due(self) -> None:
         """Make begin_step's deferred state launch now (before a kernel of this ring, in stream order);
         while a graph is being captured it stays due (in the graph it would freeze the step id)."""
-        if _CAPTURES[0] and self._capturing():
+        if self._in_capture():
             return
-        self._state_due = False
-        try:
-            _STATE_DUE.remove(self)
-        except ValueError:
-            pass
+        self._forget_due()
         self._launch_state()
+
+    def _forget_due(self) -> None:
+        """No deferred launch pending any more (made, failed, or the ring closed)."""
+        self._state_due = False
+        if self in _STATE_DUE:
+            _STATE_DUE.remove(self)
 
     def state_missed(self) -> None:
         """The step's forward pass is over and its state launch is still due: the pass ran none of this
@@ -565,9 +570,7 @@ class CudaKVAccessRing(KVAccessRing):
             self._lost_uncounted(f"its final flush failed ({str(exc)[:200]})")
         self.closed = True
         self.active = False
-        self._state_due = False
-        if self in _STATE_DUE:
-            _STATE_DUE.remove(self)
+        self._forget_due()
         if self._thread is not None:
             self._queue.put(("stop", None, None, None))
             self._thread.join(timeout=30.0)
@@ -888,9 +891,7 @@ def _install_replay_hook() -> bool:
                 try:
                     ring._launch_due()
                 except Exception as exc:
-                    ring._state_due = False
-                    if ring in _STATE_DUE:
-                        _STATE_DUE.remove(ring)
+                    ring._forget_due()
                     ring._deferred_error = exc
         return orig(self, *args, **kwargs)
 
