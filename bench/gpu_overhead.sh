@@ -10,6 +10,8 @@
 #   AB_PAUSE=all VARIANTS=default,host-only REPS=100 bash bench/gpu_overhead.sh ab-gpus  # the same, a GPU each
 #   VARIANTS=default,default,default,all-layers bash bench/gpu_overhead.sh ab-gpus  # four GPUs: a variant repeated
 #   AB_CALLS=1 AB_PAUSE=all ... bash bench/gpu_overhead.sh ab   # also vLLM's methods timed by block (--ab-calls)
+#   AB_CALLS=1 AB_PAUSE=all-threads VARIANTS=default,default REPS=90 bash bench/gpu_overhead.sh ab-gpus  # all of
+#                                                   # kvtrace, its drain and writer threads' work in the on blocks
 #   AB_CALLS=1 AB_PAUSE=state VARIANTS=default,default REPS=90 bash bench/gpu_overhead.sh ab-gpus   # the ring's
 #                                                   # state launch deferred / in begin_step, by blocks, both recording
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz

@@ -48,7 +48,11 @@ CUDA graphs exit at once. It reads what kvtrace costs the engine thread directly
 code does to vLLM's (caches, the GIL hand-overs it causes), as a paired ratio of thousands of steps in
 one process: the way to read ~1% on a host-bound engine whose speed moves by 10-60% between 100 ms
 windows (bench/cpu_speed_probe.py). Outside it: the off-block's residue (a wrapper's call, the exiting
-kernels) and the background threads' work (the GIL they hold: `--threads --py-spy`). `--ab-pause
+kernels) and the background threads' work (the GIL they hold: `--threads --py-spy`), spread over both
+kinds of block. `--ab-pause all-threads` brings that work in: as `all`, and kvtrace's background threads
+(the KV ring's drain, the shard writer) start nothing while held, in the off blocks and the first steps of
+the on blocks (left out of the figures), so that their drains and flushes run during the on blocks' timed
+steps (`ThreadHold`; the engine thread waits, untimed, for one under way at a hold). `--ab-pause
 none` switches nothing (an A/A: the noise and bias of the pairing itself). `--ab-pause state` records in both
 blocks and moves the ring's per-step state launch: deferred to just before the step's first graph replay
 or layer in one block (the default), made in `begin_step` at the top of the step in the other
@@ -85,6 +89,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from pathlib import Path
@@ -301,6 +306,70 @@ class KvtracePause:
         return {p.name: p.faults for p in self.probes if p.faults}
 
 
+_NONE = object()
+
+
+class ThreadHold:
+    """`--ab-pause all-threads`: kvtrace's background threads start no new work while held: the KV ring's
+    drain thread (its drains, the GPU-side wait and copy, and handing the records over) and the shard writer
+    (its flushes). `set(False)` waits, outside any timed step, for work under way to finish. The worker
+    holds them in the off blocks and in the first AB_SKIP steps of the on blocks (left out of the figures),
+    so that everything they do lands in the on blocks' timed steps, where `--ab-pause all` leaves it spread
+    over both kinds of block (and so outside the comparison). Each method is shadowed by an instance
+    attribute that `remove` takes away again."""
+
+    WAIT_S = 5.0  # never blocks a thread longer (an engine-thread flush, should one come, goes on after it)
+
+    def __init__(self, ring, recorder) -> None:
+        self._cv = threading.Condition()
+        self._run, self._busy = True, 0
+        self.waited_s = 0.0  # the engine thread's wait for work under way at the holds (untimed)
+        self._shadowed: list[tuple[object, str, object]] = []  # (object, method, its own attribute before)
+        for obj, names in ((ring, ("_drain_native", "_emit_native", "_drain_to")), (recorder, ("flush",))):
+            for name in names if obj is not None else ():
+                if callable(getattr(obj, name, None)):
+                    self._shadow(obj, name)
+        self.names = [f"{type(obj).__name__}.{name}" for obj, name, _ in self._shadowed]  # what was held
+
+    def _shadow(self, obj: object, name: str) -> None:
+        orig = getattr(obj, name)
+
+        def held(*args, **kwargs):
+            with self._cv:  # the check and the count under one lock: a hold cannot slip between them
+                self._cv.wait_for(lambda: self._run, timeout=self.WAIT_S)
+                self._busy += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
+
+        self._shadowed.append((obj, name, vars(obj).get(name, _NONE)))
+        setattr(obj, name, held)
+
+    def set(self, run: bool) -> None:
+        with self._cv:
+            if run == self._run:
+                return
+            self._run = run
+            if run:
+                self._cv.notify_all()
+                return
+            t0 = time.perf_counter()
+            self._cv.wait_for(lambda: self._busy == 0, timeout=self.WAIT_S)
+            self.waited_s += time.perf_counter() - t0
+
+    def remove(self) -> None:
+        self.set(True)
+        for obj, name, own in self._shadowed:
+            if own is _NONE:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, own)
+        self._shadowed.clear()
+
+
 # --ab-calls: vLLM's own methods on the engine thread, each call timed in its block of --ab-blocks. kvtrace's
 # patches stay in place in both kinds of block (switched off in one), so a method's time on minus off is
 # what kvtrace adds inside it: its wrapper's handlers (schedule, update_from_output), its block-pool hooks
@@ -405,9 +474,14 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     if args.ab_pause == "state" and not hasattr(ring, "defer_state"):
         raise SystemExit("profile --ab-pause state: no CUDA KV ring in this process (run a variant that records KV "
                          "accesses, on a GPU)")
-    pause = KvtracePause(ring) if args.ab_pause == "all" else None
-    if args.ab_pause == "all" and not pause.probes:
-        raise SystemExit("profile --ab-pause all: no kvtrace probe in this process (run a recorded variant)")
+    pause = KvtracePause(ring) if args.ab_pause in ("all", "all-threads") else None
+    if pause is not None and not pause.probes:
+        raise SystemExit(f"profile --ab-pause {args.ab_pause}: no kvtrace probe in this process (run a recorded variant)")
+    hold = None
+    if args.ab_pause == "all-threads":
+        from kvtrace.record.recorder import current_recorder
+
+        hold = ThreadHold(ring, current_recorder())
     engine, size = llm.llm_engine, args.ab_blocks
     original, calls, count = engine.step, [], [0]
     current = [-1]  # the block of the step running now (--ab-calls)
@@ -418,6 +492,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         count[0] += 1
         block = current[0] = n // size
         recording = block_records(block)
+        if hold is not None:  # the threads' work inside the on block's timed steps (waits outside any)
+            hold.set(recording and n % size >= AB_SKIP)
         if pause is not None:
             pause.set(recording)
         elif args.ab_pause == "records":
@@ -440,6 +516,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         methods.remove()
     if pause is not None:
         pause.set(True)
+    if hold is not None:
+        hold.remove()
     if ring is not None:
         ring.sample_every = 1
         if args.ab_pause == "state":
@@ -449,6 +527,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              "rows": drained_rows(ring) - rows0,
                                              "threads_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu0,
                                              "probe_faults": pause.faults() if pause is not None else {},
+                                             "held": {"methods": hold.names, "waited_s": hold.waited_s}
+                                             if hold is not None else None,
                                              "call_times": methods.ns if methods is not None else None,
                                              "machine_cpu": machine_cpu_delta(cpus0)}))
 
@@ -509,8 +589,17 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"median step instead of its mean: {med:.4f} [{med_lo:.4f}, {med_hi:.4f}]); mean step "
             f"{statistics.fmean(on_ms):.3f} ms {on_name}, {statistics.fmean(off_ms):.3f} ms {off_name}; {steps} steps "
             f"in {r['wall_s']:.1f} s; rows drained {r['rows']}; kvtrace threads' CPU "
-            f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window (spread over both kinds of block)"
+            f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window ({threads_where(r)})"
             + machine_note(r) + spoilt + "".join("\n" + line for line in ab_calls_report(ab_call_diffs(r, kept), (on_name, off_name))))
+
+
+def threads_where(r: dict) -> str:
+    """Where an --ab-blocks result's background threads did their work, as the report says it."""
+    held = r.get("held")
+    if not held:
+        return "spread over both kinds of block"
+    return (f"held in the off blocks, inside the on blocks: {', '.join(held['methods'])}; the engine thread waited "
+            f"{held['waited_s']:.2f} s in all, untimed, for work under way at the holds")
 
 
 def pooled_report(paths: list[str]) -> str:
@@ -547,6 +636,7 @@ def pooled_report(paths: list[str]) -> str:
 
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)
 PAUSE_NAMES = {"records": ("recording", "paused"), "all": ("kvtrace on", "kvtrace off"), "none": ("A", "A again"),
+               "all-threads": ("kvtrace on with its threads' work", "kvtrace off, its threads held"),
                "state": ("state launch deferred", "state launch in begin_step")}
 
 
@@ -726,7 +816,8 @@ def main() -> None:
                     "ring recording and paused in turns (a paired ratio of step times)")
     ap.add_argument("--ab-pause", choices=sorted(PAUSE_NAMES), default="records",
                     help="with --ab-blocks, what the paused block switches off: the ring's records (records), "
-                    "all of kvtrace (all), or nothing, an A/A (none)")
+                    "all of kvtrace (all), all of it with its background threads held so that their work lands in "
+                    "the on blocks (all-threads), the state launch's deferral (state), or nothing, an A/A (none)")
     ap.add_argument("--ab-calls", action="store_true",
                     help="with --ab-blocks: also time vLLM's scheduler, KV-cache manager, block-pool and model-runner "
                     "methods per call in each block (what kvtrace adds inside each, on minus off)")

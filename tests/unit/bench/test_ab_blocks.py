@@ -204,3 +204,102 @@ def test_the_state_comparison_moves_the_rings_state_launch_by_block_and_puts_it_
     args.ab_pause, ring = "state", None
     with pytest.raises(SystemExit, match="no CUDA KV ring"):
         profile.ab_blocks_worker(args, LLM(), None, lambda rep: [])
+
+
+def test_thread_hold_keeps_new_work_waiting_and_waits_for_work_under_way(profile):
+    """--ab-pause all-threads: a held method does not start until the hold ends; a hold waits for calls
+    under way; `remove` puts the class's method back."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+
+    class Recorder:
+        def flush(self):
+            calls.append(threading.current_thread().name)
+            entered.set()
+            release.wait(5)
+
+    rec = Recorder()
+    hold = profile.ThreadHold(None, rec)
+    assert hold.names == ["Recorder.flush"]
+    first = threading.Thread(target=rec.flush, name="under-way")
+    first.start()
+    assert entered.wait(5)
+    holding = threading.Thread(target=hold.set, args=(False,))
+    holding.start()
+    holding.join(0.2)
+    assert holding.is_alive()  # the flush under way is waited for
+    release.set()
+    holding.join(5)
+    first.join(5)
+    assert not holding.is_alive() and hold.waited_s >= 0.15
+    second = threading.Thread(target=rec.flush, name="held")
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and calls == ["under-way"]  # held: not started
+    hold.set(True)
+    second.join(5)
+    assert calls == ["under-way", "held"]
+    hold.remove()
+    assert "flush" not in vars(rec) and hold.names == ["Recorder.flush"]
+
+
+def test_all_threads_holds_them_outside_the_on_blocks_timed_steps(profile, monkeypatch, tmp_path):
+    """The worker pauses kvtrace as `all` does and runs its threads only from the AB_SKIP-th step of an on
+    block; afterwards nothing is held or shadowed, and the report says where the threads worked."""
+    import types
+
+    from kvtrace.probes import lifecycle
+    from kvtrace.record import recorder as recorder_module
+
+    probes = [FakeProbe("scheduler")]
+
+    class Ring(FakeRing):
+        sample_every = 1
+        stats: dict = {}
+
+        def _drain_native(self):
+            return None
+
+    ring = Ring()
+    def flush():
+        return None
+
+    rec = types.SimpleNamespace(flush=flush, writer_cpu_s=0.0)
+    holds = []
+
+    class Hold(profile.ThreadHold):
+        def __init__(self, *args):
+            super().__init__(*args)
+            holds.append(self)
+
+    monkeypatch.setattr(lifecycle, "installed", lambda: probes)
+    monkeypatch.setattr(profile, "kv_ring", lambda: ring)
+    monkeypatch.setattr(profile, "ThreadHold", Hold)
+    monkeypatch.setattr(recorder_module, "current_recorder", lambda: rec)
+    seen = []
+
+    class Engine:
+        def step(self):
+            seen.append((probes[0].enabled, holds[0]._run))
+
+    class LLM:
+        llm_engine = Engine()
+
+        def generate(self, prompts, params, use_tqdm=False):
+            for _ in range(16):
+                self.llm_engine.step()
+
+    args = types.SimpleNamespace(ab_blocks=4, ab_pause="all-threads", ab_calls=False, reps=1,
+                                 result=str(tmp_path / "r.json"))
+    profile.ab_blocks_worker(args, LLM(), None, lambda rep: [])
+    expected = [(profile.block_records(n // 4), profile.block_records(n // 4) and n % 4 >= profile.AB_SKIP)
+                for n in range(16)]
+    assert seen == expected and expected[:4] == [(True, False), (True, False), (True, True), (True, True)]
+    assert "_drain_native" not in vars(ring) and rec.flush is flush and holds[0]._run  # as they were
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["paused"] == "all-threads" and r["held"]["methods"] == ["Ring._drain_native", "SimpleNamespace.flush"]
+    report = profile.ab_blocks_report("default", {**r, "calls": calls_of(profile, [[10.0] * 4] * 4, 4)})
+    assert "kvtrace on with its threads' work / kvtrace off, its threads held, paired over 2 pairs" in report, report
+    assert "held in the off blocks, inside the on blocks: Ring._drain_native, SimpleNamespace.flush" in report
