@@ -12,6 +12,8 @@
 #   AB_CALLS=1 AB_PAUSE=all ... bash bench/gpu_overhead.sh ab   # also vLLM's methods timed by block (--ab-calls)
 #   AB_CALLS=1 AB_PAUSE=all-threads VARIANTS=default,default REPS=90 bash bench/gpu_overhead.sh ab-gpus  # all of
 #                                                   # kvtrace, its drain and writer threads' work in the on blocks
+#   AB_CALLS=1 VARIANTS=default,default AB_PAUSE=all-drain,all-writer REPS=90 bash bench/gpu_overhead.sh ab-gpus
+#                                                   # only the one thread held (AB_PAUSE: one mode, or one a GPU)
 #   AB_CALLS=1 AB_PAUSE=state VARIANTS=default,default REPS=90 bash bench/gpu_overhead.sh ab-gpus   # the ring's
 #                                                   # state launch deferred / in begin_step, by blocks, both recording
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
@@ -76,6 +78,7 @@ for stage in "$@"; do
         # the ab stage's variants at the same time, each on a GPU of its own and an equal share of the CPUs
         # (each A/B is paired inside its process: the other process is only more of the machine's noise)
         IFS=, read -ra vs <<<"${VARIANTS:-default,host-only}"
+        IFS=, read -ra ps <<<"${AB_PAUSE:-all}"  # one mode for every GPU, or one a GPU
         n=$(nproc) k=${#vs[@]} pids=()
         echo "=== ab-gpus: ${vs[*]} on $k GPUs, AB_PAUSE=${AB_PAUSE:-all} REPS=${REPS:-10}" | tee -a "$OUT/ab-gpus.log"
         # (a variant may be named more than once, e.g. default,default: the same A/B on two GPUs; each
@@ -83,7 +86,7 @@ for stage in "$@"; do
         for i in "${!vs[@]}"; do
             CUDA_VISIBLE_DEVICES=$i timeout 570 taskset -c "$((i * n / k))-$(((i + 1) * n / k - 1))" \
                 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${vs[$i]}" --ab-blocks 16 \
-                --ab-pause "${AB_PAUSE:-all}" ${AB_CALLS:+--ab-calls} --reps "${REPS:-10}" --timeout 560 \
+                --ab-pause "${ps[$i]:-${ps[0]}}" ${AB_CALLS:+--ab-calls} --reps "${REPS:-10}" --timeout 560 \
                 --out "$OUT/ab-gpus/gpu$i" >"$OUT/ab-gpus-gpu$i-${vs[$i]}.log" 2>&1 &
             pids+=($!)
         done
@@ -92,6 +95,7 @@ for stage in "$@"; do
             echo "=== ab-gpus gpu$i ${vs[$i]}: exit $?" >>"$OUT/ab-gpus-gpu$i-${vs[$i]}.log"
             tail -n 3 "$OUT/ab-gpus-gpu$i-${vs[$i]}.log" | tee -a "$OUT/ab-gpus.log"
         done
+        [ "${#ps[@]}" -gt 1 ] && vs=()  # different comparisons: nothing to pool
         for v in $(printf '%s\n' "${vs[@]}" | sort | uniq -d); do  # a variant on several GPUs: their pairs pooled
             python3 bench/profile_engine_thread.py --pool "$OUT"/ab-gpus/gpu*/"$SHAPE-$v.txt" 2>&1 \
                 | sed "s/^/$v /" | tee -a "$OUT/ab-gpus.log"

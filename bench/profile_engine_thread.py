@@ -52,7 +52,9 @@ kernels) and the background threads' work (the GIL they hold: `--threads --py-sp
 kinds of block. `--ab-pause all-threads` brings that work in: as `all`, and kvtrace's background threads
 (the KV ring's drain, the shard writer) start nothing while held, in the off blocks and the first steps of
 the on blocks (left out of the figures), so that their drains and flushes run during the on blocks' timed
-steps (`ThreadHold`; the engine thread waits, untimed, for one under way at a hold). `--ab-pause
+steps (`ThreadHold`; the engine thread waits, untimed, for one under way at a hold); `all-drain` and
+`all-writer` hold only the one thread (the other's work stays spread over both kinds of block), which
+tells the two apart. `--ab-pause
 none` switches nothing (an A/A: the noise and bias of the pairing itself). `--ab-pause state` records in both
 blocks and moves the ring's per-step state launch: deferred to just before the step's first graph replay
 or layer in one block (the default), made in `begin_step` at the top of the step in the other
@@ -474,14 +476,15 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     if args.ab_pause == "state" and not hasattr(ring, "defer_state"):
         raise SystemExit("profile --ab-pause state: no CUDA KV ring in this process (run a variant that records KV "
                          "accesses, on a GPU)")
-    pause = KvtracePause(ring) if args.ab_pause in ("all", "all-threads") else None
+    pause = KvtracePause(ring) if args.ab_pause in ("all", *HELD) else None
     if pause is not None and not pause.probes:
         raise SystemExit(f"profile --ab-pause {args.ab_pause}: no kvtrace probe in this process (run a recorded variant)")
     hold = None
-    if args.ab_pause == "all-threads":
+    if args.ab_pause in HELD:
         from kvtrace.record.recorder import current_recorder
 
-        hold = ThreadHold(ring, current_recorder())
+        drain, writer = HELD[args.ab_pause]
+        hold = ThreadHold(ring if drain else None, current_recorder() if writer else None)
     engine, size = llm.llm_engine, args.ab_blocks
     original, calls, count = engine.step, [], [0]
     current = [-1]  # the block of the step running now (--ab-calls)
@@ -634,9 +637,13 @@ def pooled_report(paths: list[str]) -> str:
                       *lines, *ab_calls_report(dict(sorted(methods.items())), paused)])
 
 
+# --ab-pause modes that hold background threads (ThreadHold): (the KV ring's drain thread, the shard writer)
+HELD = {"all-threads": (True, True), "all-drain": (True, False), "all-writer": (False, True)}
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)
 PAUSE_NAMES = {"records": ("recording", "paused"), "all": ("kvtrace on", "kvtrace off"), "none": ("A", "A again"),
                "all-threads": ("kvtrace on with its threads' work", "kvtrace off, its threads held"),
+               "all-drain": ("kvtrace on with its drain thread's work", "kvtrace off, its drain thread held"),
+               "all-writer": ("kvtrace on with its writer thread's work", "kvtrace off, its writer thread held"),
                "state": ("state launch deferred", "state launch in begin_step")}
 
 
@@ -817,7 +824,8 @@ def main() -> None:
     ap.add_argument("--ab-pause", choices=sorted(PAUSE_NAMES), default="records",
                     help="with --ab-blocks, what the paused block switches off: the ring's records (records), "
                     "all of kvtrace (all), all of it with its background threads held so that their work lands in "
-                    "the on blocks (all-threads), the state launch's deferral (state), or nothing, an A/A (none)")
+                    "the on blocks (all-threads; all-drain, all-writer: only the KV ring's drain thread or the shard "
+                    "writer held), the state launch's deferral (state), or nothing, an A/A (none)")
     ap.add_argument("--ab-calls", action="store_true",
                     help="with --ab-blocks: also time vLLM's scheduler, KV-cache manager, block-pool and model-runner "
                     "methods per call in each block (what kvtrace adds inside each, on minus off)")

@@ -303,3 +303,9 @@ def test_all_threads_holds_them_outside_the_on_blocks_timed_steps(profile, monke
     report = profile.ab_blocks_report("default", {**r, "calls": calls_of(profile, [[10.0] * 4] * 4, 4)})
     assert "kvtrace on with its threads' work / kvtrace off, its threads held, paired over 2 pairs" in report, report
     assert "held in the off blocks, inside the on blocks: Ring._drain_native, SimpleNamespace.flush" in report
+    for mode, held in (("all-drain", ["Ring._drain_native"]), ("all-writer", ["SimpleNamespace.flush"])):
+        holds.clear()  # only the one thread's methods held; the comparison named for it
+        profile.ab_blocks_worker(types.SimpleNamespace(**{**vars(args), "ab_pause": mode}), LLM(), None, lambda rep: [])
+        r = json.loads((tmp_path / "r.json").read_text())
+        assert r["paused"] == mode and r["held"]["methods"] == held and holds[0]._run
+        assert profile.PAUSE_NAMES[mode][1].endswith("thread held")
