@@ -75,6 +75,23 @@ def test_the_recording_flag_alternates_its_order_between_pairs(profile):
     assert profile.steady([10, 11, 9, 19]) and not profile.steady([10, 11, 9, 25]) and not profile.steady([10, 10, 4])
 
 
+def fake_llm(steps: int, on_step):
+    """An `LLM` whose generate() runs `steps` engine steps, each calling `on_step` (what ab_blocks_worker drives)."""
+
+    class Engine:
+        def step(self):
+            on_step()
+
+    class LLM:
+        llm_engine = Engine()
+
+        def generate(self, prompts, params, use_tqdm=False):
+            for _ in range(steps):
+                self.llm_engine.step()
+
+    return LLM()
+
+
 class FakeProbe:
     def __init__(self, name: str, enabled: bool = True):
         self.name, self.enabled, self.faults = name, enabled, 0
@@ -180,20 +197,10 @@ def test_the_state_comparison_moves_the_rings_state_launch_by_block_and_puts_it_
     monkeypatch.setattr(profile, "kv_ring", lambda: ring)
     seen = []
 
-    class Engine:
-        def step(self):
-            seen.append(ring.defer_state)
-
-    class LLM:
-        llm_engine = Engine()
-
-        def generate(self, prompts, params, use_tqdm=False):
-            for _ in range(8):
-                self.llm_engine.step()
-
+    llm = fake_llm(8, lambda: seen.append(ring.defer_state))
     args = types.SimpleNamespace(ab_blocks=2, ab_pause="state", ab_calls=False, reps=1,
                                  result=str(tmp_path / "r.json"))
-    profile.ab_blocks_worker(args, LLM(), None, lambda rep: [])
+    profile.ab_blocks_worker(args, llm, None, lambda rep: [])
     assert seen == [profile.block_records(n // 2) for n in range(8)] == [True, True, False, False, False, False, True, True]
     assert ring.defer_state is True  # as it was, after the run
     r = json.loads((tmp_path / "r.json").read_text())
@@ -203,7 +210,7 @@ def test_the_state_comparison_moves_the_rings_state_launch_by_block_and_puts_it_
     assert "state launch deferred / state launch in begin_step, paired over 2 pairs" in report, report
     args.ab_pause, ring = "state", None
     with pytest.raises(SystemExit, match="no CUDA KV ring"):
-        profile.ab_blocks_worker(args, LLM(), None, lambda rep: [])
+        profile.ab_blocks_worker(args, llm, None, lambda rep: [])
 
 
 def test_thread_hold_keeps_new_work_waiting_and_waits_for_work_under_way(profile):
@@ -280,20 +287,10 @@ def test_all_threads_holds_them_outside_the_on_blocks_timed_steps(profile, monke
     monkeypatch.setattr(recorder_module, "current_recorder", lambda: rec)
     seen = []
 
-    class Engine:
-        def step(self):
-            seen.append((probes[0].enabled, holds[0]._run))
-
-    class LLM:
-        llm_engine = Engine()
-
-        def generate(self, prompts, params, use_tqdm=False):
-            for _ in range(16):
-                self.llm_engine.step()
-
+    llm = fake_llm(16, lambda: seen.append((probes[0].enabled, holds[0]._run)))
     args = types.SimpleNamespace(ab_blocks=4, ab_pause="all-threads", ab_calls=False, reps=1,
                                  result=str(tmp_path / "r.json"))
-    profile.ab_blocks_worker(args, LLM(), None, lambda rep: [])
+    profile.ab_blocks_worker(args, llm, None, lambda rep: [])
     expected = [(profile.block_records(n // 4), profile.block_records(n // 4) and n % 4 >= profile.AB_SKIP)
                 for n in range(16)]
     assert seen == expected and expected[:4] == [(True, False), (True, False), (True, True), (True, True)]
@@ -305,7 +302,7 @@ def test_all_threads_holds_them_outside_the_on_blocks_timed_steps(profile, monke
     assert "held in the off blocks, inside the on blocks: Ring._drain_native, SimpleNamespace.flush" in report
     for mode, held in (("all-drain", ["Ring._drain_native"]), ("all-writer", ["SimpleNamespace.flush"])):
         holds.clear()  # only the one thread's methods held; the comparison named for it
-        profile.ab_blocks_worker(types.SimpleNamespace(**{**vars(args), "ab_pause": mode}), LLM(), None, lambda rep: [])
+        profile.ab_blocks_worker(types.SimpleNamespace(**{**vars(args), "ab_pause": mode}), llm, None, lambda rep: [])
         r = json.loads((tmp_path / "r.json").read_text())
         assert r["paused"] == mode and r["held"]["methods"] == held and holds[0]._run
         assert profile.PAUSE_NAMES[mode][1].endswith("thread held")
