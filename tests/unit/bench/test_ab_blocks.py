@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import types
 
 import pytest
 
@@ -191,8 +193,6 @@ def test_block_call_times_wrap_vllms_methods_and_put_them_back(profile):
 def test_the_state_comparison_moves_the_rings_state_launch_by_block_and_puts_it_back(profile, monkeypatch, tmp_path):
     """--ab-pause state: both blocks record; one defers the ring's per-step state launch, the other makes it in
     begin_step (the flag is read at the step's begin_step, inside the engine's step)."""
-    import types
-
     ring = types.SimpleNamespace(defer_state=True, sample_every=1, stats={})
     monkeypatch.setattr(profile, "kv_ring", lambda: ring)
     seen = []
@@ -216,8 +216,6 @@ def test_the_state_comparison_moves_the_rings_state_launch_by_block_and_puts_it_
 def test_thread_hold_keeps_new_work_waiting_and_waits_for_work_under_way(profile):
     """--ab-pause all-threads: a held method does not start until the hold ends; a hold waits for calls
     under way; `remove` puts the class's method back."""
-    import threading
-
     entered, release = threading.Event(), threading.Event()
     calls = []
 
@@ -255,8 +253,6 @@ def test_thread_hold_keeps_new_work_waiting_and_waits_for_work_under_way(profile
 def test_all_threads_holds_them_outside_the_on_blocks_timed_steps(profile, monkeypatch, tmp_path):
     """The worker pauses kvtrace as `all` does and runs its threads only from the AB_SKIP-th step of an on
     block; afterwards nothing is held or shadowed, and the report says where the threads worked."""
-    import types
-
     from kvtrace.probes import lifecycle
     from kvtrace.record import recorder as recorder_module
 
@@ -270,6 +266,7 @@ def test_all_threads_holds_them_outside_the_on_blocks_timed_steps(profile, monke
             return None
 
     ring = Ring()
+
     def flush():
         return None
 
