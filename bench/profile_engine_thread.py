@@ -66,7 +66,10 @@ in its block (AB_CALLS: the scheduler's `schedule` and `update_from_output`, the
 `allocate_slots`, the block pool's methods, the model runner's `execute_model`): kvtrace's patches are
 in place in both kinds of block, so a method's time with kvtrace on minus off, over the same pairs, is
 what kvtrace adds inside it (its wrapper's handlers, its block-pool hooks, the worker's per-step hook),
-with an interval over the pairs; the timers' own cost (~0.3 us a call) is the same in both.
+with an interval over the pairs; the timers' own cost (~0.3 us a call) is the same in both. It also reads
+the engine thread's own clock and context switches around each step (`StepUsage`): on minus off, extra
+time off the CPU with extra voluntary switches is waiting (for the GIL that a background thread holds),
+extra CPU time is work on the thread or the same work made slower (caches shared with other threads).
 
 `--hook-times` (with `--threads`) times kvtrace's per-step calls on the engine thread over the same
 window, each wrapped in a `perf_counter_ns` pair (~0.2 us a call of its own): the KV ring's
@@ -432,22 +435,81 @@ class BlockCallTimes:
         self._restore.clear()
 
 
-def ab_call_diffs(r: dict, pairs: list[tuple[int, int, int, int]]) -> dict[str, tuple[list, list, list, list]]:
-    """Per method of `--ab-calls`, over the pairs of blocks (`pairs`: (on block, off block, its steps each))
-    that the step ratio used: (on minus off, on, off: us a step; calls a step on) per pair."""
+def ab_call_diffs(r: dict, pairs: list[tuple[int, int, int, int]], key: str = "call_times",
+                  scale: float = 1e-3) -> dict[str, tuple[list, list, list, list]]:
+    """Per method of `--ab-calls` (or per figure of another [sum, count]-by-block record, `key`), over the
+    pairs of blocks (`pairs`: (on block, off block, its steps each)) that the step ratio used: (on minus
+    off, on, off: the sum a step, times `scale` (ns to us); calls a step on) per pair."""
     out = {}
-    for name, by_block in sorted((r.get("call_times") or {}).items()):
+    for name, by_block in sorted((r.get(key) or {}).items()):
         by_block = {int(b): v for b, v in by_block.items()}  # JSON made the block numbers strings
         diffs, on_us, off_us, on_calls = [], [], [], []
         for on_b, off_b, on_steps, off_steps in pairs:
             on, off = by_block.get(on_b, [0, 0]), by_block.get(off_b, [0, 0])
-            on_us.append(on[0] / 1e3 / on_steps)
-            off_us.append(off[0] / 1e3 / off_steps)
+            on_us.append(on[0] * scale / on_steps)
+            off_us.append(off[0] * scale / off_steps)
             on_calls.append(on[1] / on_steps)
             diffs.append(on_us[-1] - off_us[-1])
         if diffs and any(on_calls):
             out[name] = (diffs, on_us, off_us, on_calls)
     return out
+
+
+# --ab-calls also reads the engine thread's own clock and context switches around each step (outside its
+# timed span; ~2 us of syscalls a step, the same in both kinds of block): extra wall time with no extra
+# CPU and extra voluntary switches is time spent waiting (for the GIL, held by a background thread); extra
+# CPU is work on the thread itself, or the same work made slower (caches shared with the other threads).
+USAGE = (("CPU time, us", 1e-3), ("off the CPU, us", 1e-3), ("voluntary switches", 1.0),
+         ("involuntary switches", 1.0))
+
+
+class StepUsage:
+    """The engine thread's CPU time, time off the CPU and context switches over each engine step, summed
+    per block of steps (as BlockCallTimes, name -> block -> [sum, steps]; ns and counts)."""
+
+    def __init__(self) -> None:
+        import resource
+
+        self._usage = lambda: resource.getrusage(resource.RUSAGE_THREAD)
+        self.sums: dict[str, dict[int, list[int]]] = {name: {} for name, _ in USAGE}
+
+    def before(self) -> tuple:
+        ru = self._usage()
+        return ru.ru_nvcsw, ru.ru_nivcsw, time.thread_time_ns()
+
+    def after(self, block: int, start: tuple, wall_ns: int) -> None:
+        cpu_ns = time.thread_time_ns() - start[2]
+        ru = self._usage()
+        for (name, _), value in zip(USAGE, (cpu_ns, wall_ns - cpu_ns, ru.ru_nvcsw - start[0],
+                                            ru.ru_nivcsw - start[1])):
+            cur = self.sums[name].setdefault(block, [0, 0])
+            cur[0] += value
+            cur[1] += 1
+
+
+def usage_diffs(r: dict, pairs: list[tuple[int, int, int, int]]) -> dict[str, tuple[list, list, list, list]]:
+    """ab_call_diffs of a result's StepUsage figures, each in its unit (USAGE)."""
+    out = ab_call_diffs(r, pairs, "thread_usage", 1.0)
+    for name, scale in USAGE:
+        if name in out and scale != 1.0:
+            out[name] = tuple([x * scale for x in part] for part in out[name][:3]) + (out[name][3],)
+    return out
+
+
+def usage_report(per_figure: dict[str, tuple[list, list, list, list]], names: tuple[str, str]) -> list[str]:
+    """StepUsage's figures a step with kvtrace on and off, and on minus off with a 95% bootstrap interval
+    over the pairs of blocks that the step ratio used."""
+    units = dict(USAGE)
+    lines = []
+    for name, _ in USAGE:
+        if name not in per_figure:
+            continue
+        diffs, on, off, _ = per_figure[name]
+        mean, lo, hi = bgt.mean_ci(diffs)
+        digits = 1 if units[name] != 1.0 else 3
+        lines.append(f"  {name}: {statistics.fmean(on):.{digits}f} a step {names[0]}, {statistics.fmean(off):.{digits}f} "
+                     f"{names[1]}: difference {mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]")
+    return ["  the engine thread over its steps (--ab-calls; its own clock, getrusage):"] + lines if lines else []
 
 
 def ab_calls_report(per_method: dict[str, tuple[list, list, list, list]], names: tuple[str, str]) -> list[str]:
@@ -489,6 +551,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     original, calls, count = engine.step, [], [0]
     current = [-1]  # the block of the step running now (--ab-calls)
     methods = BlockCallTimes(current) if args.ab_calls else None
+    usage = StepUsage() if args.ab_calls else None
 
     def timed_step():
         n = count[0]
@@ -504,9 +567,13 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
             ring.sample_every = 1 if recording else PAUSED
         elif args.ab_pause == "state":  # read at the step's begin_step too
             ring.defer_state = recording
+        start = usage.before() if usage is not None else None
         t0 = time.perf_counter_ns()
         out = original()
-        calls.append((block, recording, n % size, time.perf_counter_ns() - t0))
+        ns = time.perf_counter_ns() - t0
+        if usage is not None:
+            usage.after(block, start, ns)
+        calls.append((block, recording, n % size, ns))
         return out
 
     engine.step = timed_step
@@ -533,6 +600,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              "held": {"methods": hold.names, "waited_s": hold.waited_s}
                                              if hold is not None else None,
                                              "call_times": methods.ns if methods is not None else None,
+                                             "thread_usage": usage.sums if usage is not None else None,
                                              "machine_cpu": machine_cpu_delta(cpus0)}))
 
 
@@ -593,7 +661,9 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"{statistics.fmean(on_ms):.3f} ms {on_name}, {statistics.fmean(off_ms):.3f} ms {off_name}; {steps} steps "
             f"in {r['wall_s']:.1f} s; rows drained {r['rows']}; kvtrace threads' CPU "
             f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window ({threads_where(r)})"
-            + machine_note(r) + spoilt + "".join("\n" + line for line in ab_calls_report(ab_call_diffs(r, kept), (on_name, off_name))))
+            + machine_note(r) + spoilt
+            + "".join("\n" + line for line in ab_calls_report(ab_call_diffs(r, kept), (on_name, off_name))
+                      + usage_report(usage_diffs(r, kept), (on_name, off_name))))
 
 
 def threads_where(r: dict) -> str:
@@ -616,7 +686,7 @@ def pooled_report(paths: list[str]) -> str:
             r = json.loads(Path(path).read_text())
             ratios, _, on_ms, off_ms, _, kept = ab_block_pairs(r)
             names = PAUSE_NAMES[r.get("paused", "records")]
-            calls = ab_call_diffs(r, kept)
+            calls = {**ab_call_diffs(r, kept), **usage_diffs(r, kept)}
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SystemExit(f"profile: --pool: {path}: not an --ab-blocks result ({exc})") from None
         if paused not in (None, names):  # pairs of different comparisons (--ab-pause) are not one sample
@@ -633,8 +703,9 @@ def pooled_report(paths: list[str]) -> str:
             for acc, part in zip(into, figures):
                 acc += part
     mean, lo, hi = bgt.paired_ci(pooled)
+    usage = {name: methods.pop(name) for name, _ in USAGE if name in methods}
     return "\n".join([f"pooled over {len(paths)} processes, {len(pooled)} pairs: {mean:.4f} [{lo:.4f}, {hi:.4f}]",
-                      *lines, *ab_calls_report(dict(sorted(methods.items())), paused)])
+                      *lines, *ab_calls_report(dict(sorted(methods.items())), paused), *usage_report(usage, paused)])
 
 
 # --ab-pause modes that hold background threads (ThreadHold): (the KV ring's drain thread, the shard writer)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import threading
+import time
 import types
 
 import pytest
@@ -303,3 +305,37 @@ def test_all_threads_holds_them_outside_the_on_blocks_timed_steps(profile, monke
         r = json.loads((tmp_path / "r.json").read_text())
         assert r["paused"] == mode and r["held"]["methods"] == held and holds[0]._run
         assert profile.PAUSE_NAMES[mode][1].endswith("thread held")
+
+
+def test_the_engine_threads_clock_and_switches_tell_waiting_from_working(profile, monkeypatch, tmp_path):
+    """--ab-calls with the steps' own clock: a step that sleeps 2 ms more (as one waiting for the GIL does)
+    reads as time off the CPU with a voluntary switch, not as CPU time; the figures pool across processes."""
+    ring = types.SimpleNamespace(sample_every=1, stats={})
+    monkeypatch.setattr(profile, "kv_ring", lambda: ring)
+    current = {"n": 0}
+
+    def step():  # 1 ms of CPU every step; the recording blocks also sleep 2 ms
+        n = current["n"]
+        current["n"] += 1
+        t = time.thread_time()
+        while time.thread_time() - t < 0.001:
+            pass
+        if profile.block_records(n // 4):
+            time.sleep(0.002)
+
+    args = types.SimpleNamespace(ab_blocks=4, ab_pause="records", ab_calls=True, reps=1,
+                                 result=str(tmp_path / "r.json"))
+    profile.ab_blocks_worker(args, fake_llm(32, step), None, lambda rep: [])
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert sum(steps for _, steps in r["thread_usage"]["voluntary switches"].values()) == 32
+    _, _, _, _, _, kept = profile.ab_block_pairs(r)
+    figures = profile.usage_diffs(r, kept)
+    off_cpu = statistics.fmean(figures["off the CPU, us"][0])
+    cpu = statistics.fmean(figures["CPU time, us"][0])
+    switches = statistics.fmean(figures["voluntary switches"][0])
+    assert off_cpu > 1500 and abs(cpu) < 500 and switches >= 0.9, (off_cpu, cpu, switches)
+    text = profile.ab_blocks_report("default", r)
+    assert "the engine thread over its steps" in text and "voluntary switches: " in text, text
+    pooled = profile.pooled_report([str(tmp_path / "r.json"), str(tmp_path / "r.json")])
+    line = next(x for x in pooled.splitlines() if "off the CPU, us" in x)
+    assert "difference +" in line and "calls a step" not in pooled, pooled
