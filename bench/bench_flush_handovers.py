@@ -1,0 +1,122 @@
+"""How many times the shard writer takes the GIL back in one flush of a small model's KV records.
+
+On an H200 the writer's flushes cost a 1B-class model's engine thread about one point of throughput at
+the default granularity (`--ab-pause all-writer` in profile_engine_thread.py: 1.45 more voluntary context
+switches an engine step with the writer's work in the block, and more CPU time a step: a thread that
+waited for the GIL resumes with colder caches). A flush costs the engine little for the time it holds the
+GIL and much for how often it takes it back: every Arrow or NumPy call that lets the GIL go (to validate,
+serialize, copy, write) gives the engine's thread a moment to take it, after which the writer waits for
+it again.
+
+Here a thread stands in for the engine's (Python work with the GIL let go every few microseconds, as each
+torch call's binding does) while a real recorder flushes 2 s of the 1B default's ring data (20 drains of
+`--records` packed block records, each with its layer timing records) to real shards. Printed per flush,
+medians over `--flushes`: the writer thread's voluntary context switches (each one a time it waited for
+the GIL: the count of hand-overs back to it), the stand-in's, and the flush's wall time.
+
+    python bench/bench_flush_handovers.py [--records 105000] [--drains 20] [--flushes 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kv_drain import device_records  # noqa: E402
+
+from kvtrace.format.kv_records import TIM_DTYPE  # noqa: E402
+from kvtrace.record.recorder import Recorder  # noqa: E402
+
+CLOCK = (0, 0, 1.0)
+TIMINGS_PER_DRAIN = 16 * 10  # a record a layer and step: 16 layers, ~10 steps a 100 ms drain
+
+
+def switches() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
+def fill(rec: Recorder, recs: np.ndarray, drains: int) -> None:
+    """One flush's worth of drains, as the ring's drain thread hands them over (records in memory of their own)."""
+    for _ in range(drains):
+        rec.append_kv_records(recs.copy(), CLOCK, (1, 0, 2, 0), owned=True)
+        rec.append_timing_records(np.zeros(TIMINGS_PER_DRAIN, TIM_DTYPE), CLOCK, owned=True)
+
+
+def measure(records: int, drains: int, flushes: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"stand-in waits": [], "stand-in waits, no flush": [], "writer waits": [],
+                                   "flush ms": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = Recorder(tmp, "worker", {"flush_interval_s": 1e9})  # flushed here only
+        recs = device_records(records, 30)
+        fill(rec, recs, 2)
+        rec.flush()  # warm: imports, the first shards
+        for _ in range(flushes):
+            fill(rec, recs, drains)
+            phase, marks, stop = [0], [], threading.Event()
+
+            def stand_in() -> None:
+                """Python work, the GIL let go every ~2 us by a C call that makes no system call (as
+                torch's bindings do around each call): its voluntary switches are waits for the GIL."""
+                data, seen = b"x" * 4096, 0
+                while not stop.is_set():
+                    if phase[0] != seen:
+                        seen = phase[0]
+                        marks.append((seen, switches(), time.perf_counter()))
+                    sum(range(50))
+                    hashlib.sha1(data)  # lets the GIL go (hashlib does from 2 KB)
+
+            thread = threading.Thread(target=stand_in)
+            thread.start()
+            result = []
+
+            def flush() -> None:
+                time.sleep(0.02)
+                phase[0] = 1  # a window as long as the flush, with no flush, then the flush
+                time.sleep(0.02)
+                phase[0] = 2
+                s0, t0 = switches(), time.perf_counter()
+                rec.flush()
+                result.append((switches() - s0, time.perf_counter() - t0))
+                phase[0] = 3
+                time.sleep(0.005)
+
+            writer = threading.Thread(target=flush)
+            writer.start()
+            writer.join()
+            stop.set()
+            thread.join()
+            at = {p: (s, t) for p, s, t in marks}
+            at.setdefault(3, at.get(2) or at[1])  # a flush too short for the stand-in to see it begin
+            at.setdefault(2, at[3])
+            idle = (at[2][0] - at[1][0]) / (at[2][1] - at[1][1])  # waits a second without a flush
+            out["stand-in waits"].append(at[3][0] - at[2][0] - idle * (at[3][1] - at[2][1]))
+            out["stand-in waits, no flush"].append(idle * (at[3][1] - at[2][1]))
+            out["writer waits"].append(result[0][0])
+            out["flush ms"].append(1e3 * result[0][1])
+        rec.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=105_000, help="block records a drain (1B default, 100 ms)")
+    ap.add_argument("--drains", type=int, default=20, help="drains a flush (every 100 ms, flushed every 2 s)")
+    ap.add_argument("--flushes", type=int, default=5)
+    args = ap.parse_args()
+    out = measure(args.records, args.drains, args.flushes)
+    print(f"{args.drains} drains of {args.records} records and their timings a flush, {args.flushes} flushes (medians): "
+          + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in out.items()))
+
+
+if __name__ == "__main__":
+    main()
