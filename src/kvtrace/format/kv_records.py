@@ -119,16 +119,13 @@ def owned_copy(recs: np.ndarray) -> np.ndarray:
 
 
 # Bytes of records per shard batch at most, beyond one drain's (a batch's records are copied into one
-# buffer, and the batch into its IPC message). Each batch costs the engine's thread GIL hand-overs
-# whatever its size: Arrow validates the arrays and serializes the batch, NumPy copies and the file is
-# written with the GIL let go, and each time the writer's thread takes it back. A 1B model's 2 s of drains
-# (~67 MB) in batches of a drain each (~3.4 MB) made ~10 a batch, ~165 a flush (bench/
-# bench_flush_handovers.py). Kept under glibc's largest dynamic mmap threshold (32 MB) with
-# room for the IPC message's framing, so that those buffers are reused from the heap: one of 64 MB was
-# mapped, faulted in page by page (16,600 faults a flush) and unmapped, twice a flush, the unmapping on
-# the writer's thread holding the GIL. A larger drain (all layers' block lists) is written as several
-# rows of at most this size, slices of the drain's copy.
-BATCH_BYTES = 16 << 20
+# buffer, and the batch into its IPC message). Kept under glibc's largest dynamic mmap threshold (32 MB),
+# so that those buffers are reused from the heap: one of 64 MB (a 1B model's 2 s of drains) was mapped,
+# faulted in page by page (16,600 faults a flush) and unmapped, twice a flush, the unmapping on the
+# writer's thread holding the GIL. A drain of a small model's 100 ms (~3.4 MB) is then a batch of its own,
+# its records written from the drain's copy without another; a larger one (all layers' block lists) is
+# written as several rows of at most this size, slices of the drain's copy.
+BATCH_BYTES = 4 << 20
 
 
 def packed_batches(rows: list[PackedRecords], sch: pa.Schema, max_bytes: int | None = None) -> list[pa.RecordBatch]:
@@ -172,27 +169,15 @@ def _bytes_of(row: PackedRecords) -> np.ndarray:
 
 
 def _packed_group(rows: list[PackedRecords], sch: pa.Schema) -> pa.RecordBatch:
-    """One batch of these drains, a row each. Every column is made from NumPy memory (a conversion from
-    Python lists lets go of the GIL, and takes it back, once a column), so that building the batch hands
-    the GIL over only where Arrow validates an array and NumPy copies the records."""
     parts = [_bytes_of(r) for r in rows]
     data = parts[0] if len(parts) == 1 else np.concatenate(parts)  # one copy, the GIL let go
     offsets = np.zeros(len(rows) + 1, np.int64)
     np.cumsum([p.size for p in parts], out=offsets[1:])
     records = pa.Array.from_buffers(pa.large_binary(), len(rows), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
-    copies = np.fromiter((c for r in rows for c in r.copies), np.int32)
-    copy_offsets = np.zeros(len(rows) + 1, np.int32)
-    np.cumsum([len(r.copies) for r in rows], out=copy_offsets[1:])
-    layer_copies = pa.Array.from_buffers(pa.list_(pa.int32()), len(rows), [None, pa.py_buffer(copy_offsets)],
-                                         children=[pa.array(copies, pa.int32())])
-    n = len(rows)
-    ref_device = np.fromiter((r.clock[0] for r in rows), np.int64, n)
-    ref_host = np.fromiter((r.clock[1] for r in rows), np.int64, n)
-    slope = np.fromiter((r.clock[2] for r in rows), np.float64, n)
-    count = np.fromiter((r.count for r in rows), np.int64, n)
     return pa.RecordBatch.from_arrays(
-        [pa.array(ref_device, pa.int64()), pa.array(ref_host, pa.int64()), pa.array(slope, pa.float64()),
-         pa.array(count, pa.int64()), records, layer_copies],
+        [pa.array([int(r.clock[0]) for r in rows], pa.int64()), pa.array([int(r.clock[1]) for r in rows], pa.int64()),
+         pa.array([float(r.clock[2]) for r in rows], pa.float64()), pa.array([r.count for r in rows], pa.int64()),
+         records, pa.array([list(r.copies) for r in rows], pa.list_(pa.int32()))],
         schema=sch)
 
 
