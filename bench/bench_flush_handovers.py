@@ -1,18 +1,19 @@
 """How many times the shard writer takes the GIL back in one flush of a small model's KV records.
 
-On an H200 the writer's flushes cost a 1B-class model's engine thread about one point of throughput at
-the default granularity (`--ab-pause all-writer` in profile_engine_thread.py: 1.45 more voluntary context
-switches an engine step with the writer's work in the block, and more CPU time a step: a thread that
-waited for the GIL resumes with colder caches). A flush costs the engine little for the time it holds the
-GIL and much for how often it takes it back: every Arrow or NumPy call that lets the GIL go (to validate,
-serialize, copy, write) gives the engine's thread a moment to take it, after which the writer waits for
-it again.
+On an H200 (`profile_engine_thread.py --ab-calls --ab-pause all-writer`) a 1B-class model's engine thread
+made 1.45 more voluntary context switches an engine step with the writer's work in the block than without.
+Each is a wait for the GIL: every Arrow or NumPy call that lets the GIL go (to validate, serialize, copy,
+write) gives the engine's thread a moment to take it, after which the writer waits for it again, or the
+other way round. This counts those hand-overs on a CPU machine, to compare ways of writing a flush. (On
+the H200 most of the threads' cost read as more CPU time on the engine thread, not as time waiting: fewer
+hand-overs, with 16 MB batches, did not lower it.)
 
 Here a thread stands in for the engine's (Python work with the GIL let go every few microseconds, as each
 torch call's binding does) while a real recorder flushes 2 s of the 1B default's ring data (20 drains of
 `--records` packed block records, each with its layer timing records) to real shards. Printed per flush,
-medians over `--flushes`: the writer thread's voluntary context switches (each one a time it waited for
-the GIL: the count of hand-overs back to it), the stand-in's, and the flush's wall time.
+medians over `--flushes`: the stand-in's voluntary context switches during the flush beyond its own rate
+without one (each a wait for the GIL), the same rate over the flush's length, the writer thread's switches,
+and the flush's wall time.
 
     python bench/bench_flush_handovers.py [--records 105000] [--drains 20] [--flushes 5]
 """
@@ -52,6 +53,45 @@ def fill(rec: Recorder, recs: np.ndarray, drains: int) -> None:
         rec.append_timing_records(np.zeros(TIMINGS_PER_DRAIN, TIM_DTYPE), CLOCK, owned=True)
 
 
+def one_flush(rec: Recorder) -> tuple[list, list]:
+    """One flush beside the stand-in: ((phase, its switches, time) at each phase it saw, [(the writer's
+    switches, the flush's seconds)])."""
+    phase, marks, stop = [0], [], threading.Event()
+
+    def stand_in() -> None:
+        """Python work, the GIL let go every ~2 us by a C call that makes no system call (as
+        torch's bindings do around each call): its voluntary switches are waits for the GIL."""
+        data, seen = b"x" * 4096, 0
+        while not stop.is_set():
+            if phase[0] != seen:
+                seen = phase[0]
+                marks.append((seen, switches(), time.perf_counter()))
+            sum(range(50))
+            hashlib.sha1(data)  # lets the GIL go (hashlib does from 2 KB)
+
+    thread = threading.Thread(target=stand_in)
+    thread.start()
+    result = []
+
+    def flush() -> None:
+        time.sleep(0.02)
+        phase[0] = 1  # 20 ms with no flush (the stand-in's own rate of waits), then the flush
+        time.sleep(0.02)
+        phase[0] = 2
+        s0, t0 = switches(), time.perf_counter()
+        rec.flush()
+        result.append((switches() - s0, time.perf_counter() - t0))
+        phase[0] = 3
+        time.sleep(0.005)
+
+    writer = threading.Thread(target=flush)
+    writer.start()
+    writer.join()
+    stop.set()
+    thread.join()
+    return marks, result
+
+
 def measure(records: int, drains: int, flushes: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"stand-in waits": [], "stand-in waits, no flush": [], "writer waits": [],
                                    "flush ms": []}
@@ -62,39 +102,7 @@ def measure(records: int, drains: int, flushes: int) -> dict[str, list[float]]:
         rec.flush()  # warm: imports, the first shards
         for _ in range(flushes):
             fill(rec, recs, drains)
-            phase, marks, stop = [0], [], threading.Event()
-
-            def stand_in() -> None:
-                """Python work, the GIL let go every ~2 us by a C call that makes no system call (as
-                torch's bindings do around each call): its voluntary switches are waits for the GIL."""
-                data, seen = b"x" * 4096, 0
-                while not stop.is_set():
-                    if phase[0] != seen:
-                        seen = phase[0]
-                        marks.append((seen, switches(), time.perf_counter()))
-                    sum(range(50))
-                    hashlib.sha1(data)  # lets the GIL go (hashlib does from 2 KB)
-
-            thread = threading.Thread(target=stand_in)
-            thread.start()
-            result = []
-
-            def flush() -> None:
-                time.sleep(0.02)
-                phase[0] = 1  # a window as long as the flush, with no flush, then the flush
-                time.sleep(0.02)
-                phase[0] = 2
-                s0, t0 = switches(), time.perf_counter()
-                rec.flush()
-                result.append((switches() - s0, time.perf_counter() - t0))
-                phase[0] = 3
-                time.sleep(0.005)
-
-            writer = threading.Thread(target=flush)
-            writer.start()
-            writer.join()
-            stop.set()
-            thread.join()
+            marks, result = one_flush(rec)
             at = {p: (s, t) for p, s, t in marks}
             at.setdefault(3, at.get(2) or at[1])  # a flush too short for the stand-in to see it begin
             at.setdefault(2, at[3])

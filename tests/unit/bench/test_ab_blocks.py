@@ -339,3 +339,4 @@ def test_the_engine_threads_clock_and_switches_tell_waiting_from_working(profile
     pooled = profile.pooled_report([str(tmp_path / "r.json"), str(tmp_path / "r.json")])
     line = next(x for x in pooled.splitlines() if "off the CPU, us" in x)
     assert "difference +" in line and "calls a step" not in pooled, pooled
+
