@@ -5,7 +5,6 @@ from __future__ import annotations
 from tests.helpers.run import bench_module
 
 
-
 def test_the_flush_handover_count_sees_a_real_flush():
     """bench_flush_handovers.py: a real recorder's flush of packed records beside the stand-in thread
     writes the records and reads a count for each figure."""
