@@ -73,16 +73,21 @@ def one_flush(rec: Recorder) -> tuple[list, list]:
     thread.start()
     result = []
 
+    def seen(n: int) -> None:  # until the stand-in has marked phase n
+        while len(marks) < n:
+            time.sleep(0.0005)
+
     def flush() -> None:
         time.sleep(0.02)
         phase[0] = 1  # 20 ms with no flush (the stand-in's own rate of waits), then the flush
         time.sleep(0.02)
         phase[0] = 2
+        seen(2)
         s0, t0 = switches(), time.perf_counter()
         rec.flush()
         result.append((switches() - s0, time.perf_counter() - t0))
         phase[0] = 3
-        time.sleep(0.005)
+        seen(3)
 
     writer = threading.Thread(target=flush)
     writer.start()
@@ -104,8 +109,6 @@ def measure(records: int, drains: int, flushes: int) -> dict[str, list[float]]:
             fill(rec, recs, drains)
             marks, result = one_flush(rec)
             at = {p: (s, t) for p, s, t in marks}
-            at.setdefault(3, at.get(2) or at[1])  # a flush too short for the stand-in to see it begin
-            at.setdefault(2, at[3])
             idle = (at[2][0] - at[1][0]) / (at[2][1] - at[1][1])  # waits a second without a flush
             out["stand-in waits"].append(at[3][0] - at[2][0] - idle * (at[3][1] - at[2][1]))
             out["stand-in waits, no flush"].append(idle * (at[3][1] - at[2][1]))
