@@ -436,12 +436,14 @@ class BlockCallTimes:
 
 
 def ab_call_diffs(r: dict, pairs: list[tuple[int, int, int, int]], key: str = "call_times",
-                  scale: float = 1e-3) -> dict[str, tuple[list, list, list, list]]:
+                  scales: dict[str, float] | None = None) -> dict[str, tuple[list, list, list, list]]:
     """Per method of `--ab-calls` (or per figure of another [sum, count]-by-block record, `key`), over the
     pairs of blocks (`pairs`: (on block, off block, its steps each)) that the step ratio used: (on minus
-    off, on, off: the sum a step, times `scale` (ns to us); calls a step on) per pair."""
+    off, on, off: the sum a step, times its scale (`scales`, by name; ns to us where none); calls a step
+    on) per pair."""
     out = {}
     for name, by_block in sorted((r.get(key) or {}).items()):
+        scale = (scales or {}).get(name, 1e-3)
         by_block = {int(b): v for b, v in by_block.items()}  # JSON made the block numbers strings
         diffs, on_us, off_us, on_calls = [], [], [], []
         for on_b, off_b, on_steps, off_steps in pairs:
@@ -489,24 +491,19 @@ class StepUsage:
 
 def usage_diffs(r: dict, pairs: list[tuple[int, int, int, int]]) -> dict[str, tuple[list, list, list, list]]:
     """ab_call_diffs of a result's StepUsage figures, each in its unit (USAGE)."""
-    out = ab_call_diffs(r, pairs, "thread_usage", 1.0)
-    for name, scale in USAGE:
-        if name in out and scale != 1.0:
-            out[name] = tuple([x * scale for x in part] for part in out[name][:3]) + (out[name][3],)
-    return out
+    return ab_call_diffs(r, pairs, "thread_usage", dict(USAGE))
 
 
 def usage_report(per_figure: dict[str, tuple[list, list, list, list]], names: tuple[str, str]) -> list[str]:
     """StepUsage's figures a step with kvtrace on and off, and on minus off with a 95% bootstrap interval
     over the pairs of blocks that the step ratio used."""
-    units = dict(USAGE)
     lines = []
-    for name, _ in USAGE:
+    for name, scale in USAGE:
         if name not in per_figure:
             continue
         diffs, on, off, _ = per_figure[name]
         mean, lo, hi = bgt.mean_ci(diffs)
-        digits = 1 if units[name] != 1.0 else 3
+        digits = 1 if scale != 1.0 else 3  # us to a tenth, switches to a thousandth
         lines.append(f"  {name}: {statistics.fmean(on):.{digits}f} a step {names[0]}, {statistics.fmean(off):.{digits}f} "
                      f"{names[1]}: difference {mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]")
     return ["  the engine thread over its steps (--ab-calls; its own clock, getrusage):"] + lines if lines else []
