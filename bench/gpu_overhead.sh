@@ -16,6 +16,11 @@
 #                                                   # only the one thread held (AB_PAUSE: one mode, or one a GPU)
 #   AB_CALLS=1 AB_PAUSE=state VARIANTS=default,default REPS=90 bash bench/gpu_overhead.sh ab-gpus   # the ring's
 #                                                   # state launch deferred / in begin_step, by blocks, both recording
+#   AB_CALLS=1 AB_PAUSE=all-writer PIN=far VARIANTS=default REPS=45 bash bench/gpu_overhead.sh ab   # the engine
+#                                                   # thread on one CPU, kvtrace's threads on other cores (PIN=near: on
+#                                                   # its core's other hardware thread; engine: only the engine pinned)
+#   AB_CALLS=1 AB_PAUSE=all-writer SKIP_KV_WRITES=file ... bash bench/gpu_overhead.sh ab   # the writer's KV record
+#                                                   # batches serialized, not written (all: not serialized either)
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   KVTRACE_PY_SPY_NATIVE=1 bash bench/gpu_overhead.sh gil   # with C frames (py-spy pauses the process)
 #   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)
@@ -39,7 +44,7 @@ SHAPE=${SHAPE:-1b}
 # the gil and hooks stages' workload: 256 prompts of 512 tokens, 256 out (decode-heavy) unless WORKLOAD says
 # otherwise, e.g. WORKLOAD="--input-len 2048 --output-len 16" (prefill-heavy: most steps run attention eagerly)
 WORKLOAD=${WORKLOAD:-}
-nvidia-smi -L >"$OUT/env.log" 2>&1
+{ nvidia-smi -L; lscpu; } >"$OUT/env.log" 2>&1  # the GPUs, and the CPUs' topology (cores, threads, caches)
 
 run() {  # name timeout_s command...
     local name=$1 limit=$2
@@ -59,7 +64,8 @@ for stage in "$@"; do
             -k "${CASES:-v2-default-flash or v1-default-flash or v2-eager-flash}" ;;
     ab)
         run ab 560 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${VARIANTS:-default,all-layers}" \
-            --ab-blocks 16 --ab-pause "${AB_PAUSE:-records}" ${AB_CALLS:+--ab-calls} --reps "${REPS:-10}" --out "$OUT/ab" ;;
+            --ab-blocks 16 --ab-pause "${AB_PAUSE:-records}" ${AB_CALLS:+--ab-calls} ${PIN:+--pin "$PIN"} \
+            ${SKIP_KV_WRITES:+--skip-kv-writes "$SKIP_KV_WRITES"} --reps "${REPS:-10}" --out "$OUT/ab" ;;
     gil)
         run gil 540 env KVTRACE_GIL_RATE_HZ=1000 python3 bench/profile_engine_thread.py --shape "$SHAPE" \
             --variants "${VARIANTS:-default,host-only,all-layers}" --threads --reps "${REPS:-3}" --py-spy "${KVTRACE_PY_SPY:-}" \

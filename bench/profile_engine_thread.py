@@ -375,6 +375,58 @@ class ThreadHold:
         self._shadowed.clear()
 
 
+# --pin: where the engine thread and kvtrace's background threads run, to tell apart two ways the writer's
+# work could slow the engine thread's code (its extra CPU time a step with the writer's work in the block):
+# a hardware thread of the same core (its execution units and L1/L2 shared) or only the machine's shared
+# last-level cache and memory. The engine thread is pinned to one CPU; kvtrace's threads to its core's
+# other hardware thread(s) (near), to CPUs of other cores (far), or left where the scheduler puts them
+# (engine).
+PINS = ("near", "far", "engine")
+KVTRACE_THREADS = ("kvtrace-writer", "kvtrace-kv-ring")
+
+
+def core_siblings(cpu: int) -> set[int]:
+    """The CPUs that share `cpu`'s core (itself included), as the kernel sees the machine's topology."""
+    text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def pin_threads(placement: str) -> dict:
+    """Pin this (the engine) thread and kvtrace's threads for `placement` (PINS); what was pinned where."""
+    allowed = sorted(os.sched_getaffinity(0))
+    engine = allowed[min(2, len(allowed) - 1)]  # not CPU 0, which takes most interrupts
+    siblings = core_siblings(engine)
+    if placement == "near":
+        cpus = sorted(siblings - {engine})
+        if not cpus:
+            raise SystemExit(f"profile --pin near: CPU {engine} has no other hardware thread on its core "
+                             "(this machine shows one thread a core: lscpu)")
+    else:
+        cpus = [c for c in allowed if c not in siblings]
+    os.sched_setaffinity(0, {engine})  # 0: the calling thread (Linux affinity is per thread)
+    threads = [t for t in threading.enumerate() if t.name in KVTRACE_THREADS]
+    if placement != "engine":
+        for t in threads:
+            os.sched_setaffinity(t.native_id, set(cpus))
+    return {"placement": placement, "engine_cpu": engine, "engine_core": sorted(siblings),
+            "kvtrace_cpus": cpus if placement != "engine" else None, "threads": sorted(t.name for t in threads)}
+
+
+def skip_kv_writes(recorder, what: str) -> None:
+    """`--skip-kv-writes`: the shard writer builds the KV record batches as usual but does not write them
+    (file: serialized into their IPC messages, not written to the file; all: not serialized either), so
+    that an A/B with the writer's work (all-writer) tells what those bytes cost the engine thread. The
+    rows are counted as written; the session then lacks them (a benchmark's session is thrown away)."""
+    from kvtrace.format.shards import _batch_message
+
+    writer = recorder.writers["kv_access_records"]
+    writer.write = (lambda batch: _batch_message(batch).size) if what == "file" else (lambda batch: 0)
+
+
 # --ab-calls: vLLM's own methods on the engine thread, each call timed in its block of --ab-blocks. kvtrace's
 # patches stay in place in both kinds of block (switched off in one), so a method's time on minus off is
 # what kvtrace adds inside it: its wrapper's handlers (schedule, update_from_output), its block-pool hooks
@@ -538,12 +590,17 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     pause = KvtracePause(ring) if args.ab_pause in ("all", *HELD) else None
     if pause is not None and not pause.probes:
         raise SystemExit(f"profile --ab-pause {args.ab_pause}: no kvtrace probe in this process (run a recorded variant)")
+    from kvtrace.record.recorder import current_recorder
+
     hold = None
     if args.ab_pause in HELD:
-        from kvtrace.record.recorder import current_recorder
-
         drain, writer = HELD[args.ab_pause]
         hold = ThreadHold(ring if drain else None, current_recorder() if writer else None)
+    if args.skip_kv_writes:
+        if current_recorder() is None:
+            raise SystemExit("profile --skip-kv-writes: no recorder in this process (run a recorded variant)")
+        skip_kv_writes(current_recorder(), args.skip_kv_writes)
+    pinned = pin_threads(args.pin) if args.pin else None
     engine, size = llm.llm_engine, args.ab_blocks
     original, calls, count = engine.step, [], [0]
     current = [-1]  # the block of the step running now (--ab-calls)
@@ -598,6 +655,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              if hold is not None else None,
                                              "call_times": methods.ns if methods is not None else None,
                                              "thread_usage": usage.sums if usage is not None else None,
+                                             "pinned": pinned, "skip_kv_writes": args.skip_kv_writes,
                                              "machine_cpu": machine_cpu_delta(cpus0)}))
 
 
@@ -658,9 +716,23 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"{statistics.fmean(on_ms):.3f} ms {on_name}, {statistics.fmean(off_ms):.3f} ms {off_name}; {steps} steps "
             f"in {r['wall_s']:.1f} s; rows drained {r['rows']}; kvtrace threads' CPU "
             f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window ({threads_where(r)})"
-            + machine_note(r) + spoilt
+            + machine_note(r) + spoilt + setup_note(r)
             + "".join("\n" + line for line in ab_calls_report(ab_call_diffs(r, kept), (on_name, off_name))
                       + usage_report(usage_diffs(r, kept), (on_name, off_name))))
+
+
+def setup_note(r: dict) -> str:
+    """An --ab-blocks result's --pin and --skip-kv-writes, as the report says them."""
+    pinned, skipped = r.get("pinned"), r.get("skip_kv_writes")
+    out = ""
+    if pinned:
+        where = (f"{', '.join(pinned['threads']) or 'no kvtrace thread'} on CPUs {pinned['kvtrace_cpus']}"
+                 if pinned["kvtrace_cpus"] is not None else "kvtrace's threads unpinned")
+        out += (f"; pinned ({pinned['placement']}): the engine thread on CPU {pinned['engine_cpu']} (its core: CPUs "
+                f"{pinned['engine_core']}), {where}")
+    if skipped:
+        out += f"; KV record batches not written ({skipped})"
+    return out
 
 
 def threads_where(r: dict) -> str:
@@ -897,6 +969,12 @@ def main() -> None:
     ap.add_argument("--ab-calls", action="store_true",
                     help="with --ab-blocks: also time vLLM's scheduler, KV-cache manager, block-pool and model-runner "
                     "methods per call in each block (what kvtrace adds inside each, on minus off)")
+    ap.add_argument("--pin", choices=PINS,
+                    help="with --ab-blocks: pin the engine thread to one CPU and kvtrace's threads to its core's other "
+                    "hardware thread (near) or to other cores (far), or pin only the engine thread (engine)")
+    ap.add_argument("--skip-kv-writes", choices=("file", "all"),
+                    help="with --ab-blocks: the shard writer does not write the KV record batches to their file (file) "
+                    "or neither serializes nor writes them (all); the session lacks them")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
@@ -930,6 +1008,8 @@ def main() -> None:
                    *(["--driver-probe"] if args.driver_probe else []),
                    *(["--ab-blocks", str(args.ab_blocks), "--ab-pause", args.ab_pause] if args.ab_blocks else []),
                    *(["--ab-calls"] if args.ab_calls else []),
+                   *(["--pin", args.pin] if args.pin else []),
+                   *(["--skip-kv-writes", args.skip_kv_writes] if args.skip_kv_writes else []),
                    *(["--py-spy", args.py_spy] if args.py_spy else [])]
             if bgt.VARIANTS[v] is not None:
                 cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session),

@@ -200,7 +200,7 @@ def test_the_state_comparison_moves_the_rings_state_launch_by_block_and_puts_it_
     seen = []
 
     llm = fake_llm(8, lambda: seen.append(ring.defer_state))
-    args = types.SimpleNamespace(ab_blocks=2, ab_pause="state", ab_calls=False, reps=1,
+    args = types.SimpleNamespace(ab_blocks=2, ab_pause="state", ab_calls=False, reps=1, pin=None, skip_kv_writes=None,
                                  result=str(tmp_path / "r.json"))
     profile.ab_blocks_worker(args, llm, None, lambda rep: [])
     assert seen == [profile.block_records(n // 2) for n in range(8)] == [True, True, False, False, False, False, True, True]
@@ -287,7 +287,7 @@ def test_all_threads_holds_them_outside_the_on_blocks_timed_steps(profile, monke
     seen = []
 
     llm = fake_llm(16, lambda: seen.append((probes[0].enabled, holds[0]._run)))
-    args = types.SimpleNamespace(ab_blocks=4, ab_pause="all-threads", ab_calls=False, reps=1,
+    args = types.SimpleNamespace(ab_blocks=4, ab_pause="all-threads", ab_calls=False, reps=1, pin=None, skip_kv_writes=None,
                                  result=str(tmp_path / "r.json"))
     profile.ab_blocks_worker(args, llm, None, lambda rep: [])
     expected = [(profile.block_records(n // 4), profile.block_records(n // 4) and n % 4 >= profile.AB_SKIP)
@@ -323,7 +323,7 @@ def test_the_engine_threads_clock_and_switches_tell_waiting_from_working(profile
         if profile.block_records(n // 4):
             time.sleep(0.002)
 
-    args = types.SimpleNamespace(ab_blocks=4, ab_pause="records", ab_calls=True, reps=1,
+    args = types.SimpleNamespace(ab_blocks=4, ab_pause="records", ab_calls=True, reps=1, pin=None, skip_kv_writes=None,
                                  result=str(tmp_path / "r.json"))
     profile.ab_blocks_worker(args, fake_llm(32, step), None, lambda rep: [])
     r = json.loads((tmp_path / "r.json").read_text())
@@ -340,3 +340,74 @@ def test_the_engine_threads_clock_and_switches_tell_waiting_from_working(profile
     line = next(x for x in pooled.splitlines() if "off the CPU, us" in x)
     assert "difference +" in line and "calls a step" not in pooled, pooled
 
+
+
+def run_in_thread(fn):
+    """fn() on a thread of its own (pinning pins the calling thread: never pytest's), its result or error."""
+    out = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="pinning apart needs two CPUs")
+def test_pinning_puts_the_engine_thread_on_one_cpu_and_kvtraces_threads_off_its_core(profile):
+    import os
+
+    stop = threading.Event()
+    writer = threading.Thread(target=stop.wait, name="kvtrace-writer")
+    other = threading.Thread(target=stop.wait, name="vllm-other")
+    writer.start()
+    other.start()
+    before = os.sched_getaffinity(other.native_id)
+    try:
+        def pin():
+            return profile.pin_threads("far"), os.sched_getaffinity(0)
+
+        pinned, engine_cpus = run_in_thread(pin)
+        core = set(pinned["engine_core"])
+        assert engine_cpus == {pinned["engine_cpu"]} and pinned["engine_cpu"] in core
+        assert "kvtrace-writer" in pinned["threads"] and "vllm-other" not in pinned["threads"]
+        assert os.sched_getaffinity(writer.native_id) == set(pinned["kvtrace_cpus"]) and not core & set(pinned["kvtrace_cpus"])
+        assert os.sched_getaffinity(other.native_id) == before  # only kvtrace's threads are moved
+        only_engine = run_in_thread(lambda: profile.pin_threads("engine"))
+        assert only_engine["kvtrace_cpus"] is None
+        report = profile.setup_note({"pinned": pinned, "skip_kv_writes": "file"})
+        assert f"the engine thread on CPU {pinned['engine_cpu']}" in report and "kvtrace-writer on CPUs" in report
+        assert "KV record batches not written (file)" in report
+        if len(core) == 1:  # a machine that shows one hardware thread a core has no near placement
+            with pytest.raises(SystemExit, match="no other hardware thread"):
+                run_in_thread(lambda: profile.pin_threads("near"))
+    finally:
+        stop.set()
+        writer.join()
+        other.join()
+
+
+@pytest.mark.parametrize("what", ["file", "all"])
+def test_skipping_the_kv_record_writes_leaves_the_other_tables_written(profile, tmp_path, what):
+    import numpy as np
+
+    from kvtrace.format.kv_records import REC_DTYPE
+    from kvtrace.record.recorder import Recorder
+
+    rec = Recorder(tmp_path / "s", "test", {"flush_interval_s": 3600})
+    try:
+        profile.skip_kv_writes(rec, what)
+        rec.append_kv_records(np.zeros(1000, REC_DTYPE), (0, 0, 1.0), owned=True)
+        rec.buffer("clock_anchors").append((1, 2, None, "host"))
+        rec.flush()
+        assert rec.rows_written["kv_access_records"] == 1 and rec.writers["kv_access_records"].bytes_total == 0
+        assert rec.rows_written["clock_anchors"] >= 2 and rec.writers["clock_anchors"].bytes_total > 0
+    finally:
+        rec.close()
