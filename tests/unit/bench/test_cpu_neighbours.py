@@ -1,0 +1,30 @@
+"""bench/bench_cpu_neighbours.py: a pinned Python thread timed beside a neighbour switched on and off."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from tests.helpers.run import bench_module
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.parametrize("kind", ["spin", "write"])
+def test_the_neighbour_runs_in_the_on_blocks_and_leaves_nothing_behind(tmp_path, kind):
+    bench = bench_module("bench_cpu_neighbours")
+    core, load_core = sorted(os.sched_getaffinity(0))[:2]
+    out = {}
+
+    def run():  # on a thread of its own: measure() pins the calling thread
+        out["ratios"] = bench.measure(core, kind, load_core, seconds=1.0, block_ms=50, n=500, folder=str(tmp_path))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    ratios = out["ratios"]
+    assert len(ratios) >= 5 and all(r > 0 for r in ratios)
+    mean, lo, hi = bench.interval(ratios)
+    assert lo <= mean <= hi
+    assert list(tmp_path.iterdir()) == []  # the write kind's file is removed
