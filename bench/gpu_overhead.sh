@@ -20,7 +20,8 @@
 #                                                   # thread on one CPU, kvtrace's threads on other cores (PIN=near: on
 #                                                   # its core's other hardware thread; engine: only the engine pinned)
 #   AB_CALLS=1 AB_PAUSE=all-writer SKIP_KV_WRITES=file ... bash bench/gpu_overhead.sh ab   # the writer's KV record
-#                                                   # batches serialized, not written (all: not serialized either)
+#                                                   # batches serialized, not written (all: not serialized either;
+#                                                   # direct: written with O_DIRECT, past the page cache, to a scratch file)
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   KVTRACE_PY_SPY_NATIVE=1 bash bench/gpu_overhead.sh gil   # with C frames (py-spy pauses the process)
 #   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)

@@ -87,6 +87,7 @@ import argparse
 import cProfile
 import io
 import json
+import mmap
 import os
 import pstats
 import shutil
@@ -98,6 +99,8 @@ import threading
 import time
 import types
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu_throughput as bgt  # noqa: E402  (its shapes, variants and model folders)
@@ -416,15 +419,59 @@ def pin_threads(placement: str) -> dict:
             "kvtrace_cpus": cpus if placement != "engine" else None, "threads": sorted(t.name for t in threads)}
 
 
+SKIP_KV_WRITES = ("file", "all", "direct")
+DIRECT_BYTES = 64 << 20  # the `direct` writes' staging buffer (page-aligned; a batch is at most ~4 MB)
+DIRECT_FILE_BYTES = 1 << 30  # the `direct` scratch file starts again from its beginning past this
+
+
 def skip_kv_writes(recorder, what: str) -> None:
     """`--skip-kv-writes`: the shard writer builds the KV record batches as usual but does not write them
-    (file: serialized into their IPC messages, not written to the file; all: not serialized either), so
-    that an A/B with the writer's work (all-writer) tells what those bytes cost the engine thread. The
-    rows are counted as written; the session then lacks them (a benchmark's session is thrown away)."""
+    to their shard (file: serialized into their IPC messages, not written; all: not serialized either;
+    direct: serialized, copied into page-aligned memory and written with O_DIRECT, past the page cache, to a
+    scratch file beside the shards), so that an A/B with the writer's work (all-writer) tells what those
+    bytes, and the page cache's part in them, cost the engine thread. The rows are counted as written; the
+    session then lacks them (a benchmark's session is thrown away)."""
     from kvtrace.format.shards import _batch_message
 
     writer = recorder.writers["kv_access_records"]
-    writer.write = (lambda batch: _batch_message(batch).size) if what == "file" else (lambda batch: 0)
+    if what == "file":
+        writer.write = lambda batch: _batch_message(batch).size
+    elif what == "all":
+        writer.write = lambda batch: 0
+    else:
+        writer.write = DirectWrites(writer.directory / "kv_access_records.direct.scratch").write
+
+
+class DirectWrites:
+    """Batches' IPC messages written with O_DIRECT (the DMA reads them from this process's memory: no copy
+    into the page cache, the kernel's work a flush ~12x less on the CPU machine), each padded to whole
+    pages, into a scratch file that is not a shard (`--skip-kv-writes direct`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+        self.staging = mmap.mmap(-1, DIRECT_BYTES)  # page-aligned, as O_DIRECT needs
+        self.offset = 0
+        self.bytes = 0
+
+    def write(self, batch) -> int:
+        from kvtrace.format.shards import _batch_message
+
+        message = np.frombuffer(_batch_message(batch), np.uint8)
+        size = message.size
+        padded = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        if padded > len(self.staging):
+            raise OSError(f"{self.path}: a {size}-byte batch is over the {len(self.staging)}-byte staging buffer")
+        np.copyto(np.frombuffer(self.staging, np.uint8, size), message)  # the GIL let go, as the shard writer's copies
+        if self.offset + padded > DIRECT_FILE_BYTES:
+            self.offset = 0
+        view = memoryview(self.staging)[:padded]
+        while view:
+            n = os.pwrite(self.fd, view, self.offset)
+            self.offset += n
+            view = view[n:]
+        self.bytes += size
+        return size
 
 
 # --ab-calls: vLLM's own methods on the engine thread, each call timed in its block of --ab-blocks. kvtrace's
@@ -972,9 +1019,10 @@ def main() -> None:
     ap.add_argument("--pin", choices=PINS,
                     help="with --ab-blocks: pin the engine thread to one CPU and kvtrace's threads to its core's other "
                     "hardware thread (near) or to other cores (far), or pin only the engine thread (engine)")
-    ap.add_argument("--skip-kv-writes", choices=("file", "all"),
-                    help="with --ab-blocks: the shard writer does not write the KV record batches to their file (file) "
-                    "or neither serializes nor writes them (all); the session lacks them")
+    ap.add_argument("--skip-kv-writes", choices=SKIP_KV_WRITES,
+                    help="with --ab-blocks: the shard writer does not write the KV record batches to their file (file), "
+                    "neither serializes nor writes them (all), or writes them with O_DIRECT to a scratch file (direct); "
+                    "the session lacks them")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)

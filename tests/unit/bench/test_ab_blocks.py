@@ -394,7 +394,7 @@ def test_pinning_puts_the_engine_thread_on_one_cpu_and_kvtraces_threads_off_its_
         other.join()
 
 
-@pytest.mark.parametrize("what", ["file", "all"])
+@pytest.mark.parametrize("what", ["file", "all", "direct"])
 def test_skipping_the_kv_record_writes_leaves_the_other_tables_written(profile, tmp_path, what):
     import numpy as np
 
@@ -408,6 +408,12 @@ def test_skipping_the_kv_record_writes_leaves_the_other_tables_written(profile, 
         rec.buffer("clock_anchors").append((1, 2, None, "host"))
         rec.flush()
         assert rec.rows_written["kv_access_records"] == 1 and rec.writers["kv_access_records"].bytes_total == 0
+        scratch = rec.dir / "kv_access_records.direct.scratch"
+        if what == "direct":  # the batch's message, padded to whole pages, past the page cache
+            assert scratch.stat().st_size % 4096 == 0 and scratch.stat().st_size >= 32_000
+            assert scratch.read_bytes()[:4] == b"\xff\xff\xff\xff"  # an IPC message's continuation marker
+        else:
+            assert not scratch.exists()
         assert rec.rows_written["clock_anchors"] >= 2 and rec.writers["clock_anchors"].bytes_total > 0
     finally:
         rec.close()
