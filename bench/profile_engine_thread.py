@@ -71,6 +71,12 @@ the engine thread's own clock and context switches around each step (`StepUsage`
 time off the CPU with extra voluntary switches is waiting (for the GIL that a background thread holds),
 extra CPU time is work on the thread or the same work made slower (caches shared with other threads).
 
+Two more switches change the writer's work in such an A/B (with `--ab-pause all-writer`), to tell what of
+it costs: `--skip-kv-writes file|all|direct` leaves the KV record batches out of the shards (serialized but
+not written; neither; written past the page cache with O_DIRECT to a scratch file), and `--pin far|near|
+engine` pins the engine thread to one CPU and kvtrace's threads to other cores, to its core's other
+hardware thread, or nowhere.
+
 `--hook-times` (with `--threads`) times kvtrace's per-step calls on the engine thread over the same
 window, each wrapped in a `perf_counter_ns` pair (~0.2 us a call of its own): the KV ring's
 `begin_step`, its per-step launch (`_launch_state`, deferred to just before the step's first graph
@@ -449,7 +455,7 @@ class DirectWrites:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         self.staging = mmap.mmap(-1, DIRECT_BYTES)  # page-aligned, as O_DIRECT needs
         self.offset = 0
         self.bytes = 0
