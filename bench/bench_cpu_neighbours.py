@@ -98,7 +98,8 @@ def measure(core: int, kind: str, load_core: int, seconds: float, block_ms: floa
     stop.set()
     on.set()
     proc.join(5)
-    os.unlink(path) if os.path.exists(path) else None
+    if os.path.exists(path):
+        os.unlink(path)
     ratios = []
     for i in range(0, len(blocks) - 1, 2):
         (a_on, a), (_, b) = blocks[i], blocks[i + 1]
