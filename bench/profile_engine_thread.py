@@ -454,16 +454,16 @@ class DirectWrites:
     pages, into a scratch file that is not a shard (`--skip-kv-writes direct`)."""
 
     def __init__(self, path: Path) -> None:
+        from kvtrace.format.shards import _batch_message
+
+        self.message = _batch_message  # the shard writer's own serialization
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         self.staging = mmap.mmap(-1, DIRECT_BYTES)  # page-aligned, as O_DIRECT needs
         self.offset = 0
-        self.bytes = 0
 
     def write(self, batch) -> int:
-        from kvtrace.format.shards import _batch_message
-
-        message = np.frombuffer(_batch_message(batch), np.uint8)
+        message = np.frombuffer(self.message(batch), np.uint8)
         size = message.size
         padded = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         if padded > len(self.staging):
@@ -476,7 +476,6 @@ class DirectWrites:
             n = os.pwrite(self.fd, view, self.offset)
             self.offset += n
             view = view[n:]
-        self.bytes += size
         return size
 
 
