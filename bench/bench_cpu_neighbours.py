@@ -13,9 +13,9 @@ alternates, and does one kind of work while on:
 - `write`: the same buffers written to a file under `--dir` (the page cache), as the shard writer does.
 
 Printed per kind: the chunk's mean time with the load on over off, paired over the blocks, with a 95%
-bootstrap interval, and the load process's share of its block. A ratio above 1 for `spin` means the
-cores share their speed (frequency, or hardware threads of one core); for `copy` or `write` alone, that
-they share caches or memory.
+bootstrap interval over the pairs. A ratio above 1 for `spin` means the cores share their speed
+(frequency, or hardware threads of one core); for `copy` or `write` alone, that they share caches or
+memory.
 
     python bench/bench_cpu_neighbours.py --core 2 --load-core 9 --seconds 20
 """
@@ -23,28 +23,23 @@ they share caches or memory.
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing as mp
 import os
-import random
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_throughput import paired_ci  # noqa: E402
+from cpu_speed_probe import chunk  # noqa: E402  (fixed pure-Python work)
+from profile_engine_thread import block_records  # noqa: E402  (which block of a pair is on)
+
 KINDS = ("spin", "copy", "write")
 BUFFER_BYTES = 3_360_000  # a 1B-class model's 100 ms drain of KV records (105k records of 32 bytes)
-
-
-def chunk(n: int) -> int:
-    """Pure-Python work like an engine step's bookkeeping: dict and list traffic, small integer maths."""
-    d: dict[int, int] = {}
-    acc = 0
-    for i in range(n):
-        d[i & 255] = d.get(i & 255, 0) + i
-        acc += len(d) ^ i
-    return acc
 
 
 def load(core: int, kind: str, on, stop, path: str) -> None:
@@ -85,7 +80,7 @@ def measure(core: int, kind: str, load_core: int, seconds: float, block_ms: floa
     end = time.monotonic() + seconds
     block = 0
     while time.monotonic() < end:
-        loaded = (block % 2 == 0) == ((block // 2) % 2 == 0)  # the order alternates between pairs
+        loaded = block_records(block)  # the order alternates between pairs
         (on.set if loaded else on.clear)()
         time.sleep(0.005)  # the neighbour starts or stops: not timed
         times, t_end = [], time.monotonic() + block_ms / 1e3
@@ -108,14 +103,6 @@ def measure(core: int, kind: str, load_core: int, seconds: float, block_ms: floa
     return ratios
 
 
-def interval(ratios: list[float], n_boot: int = 4000) -> tuple[float, float, float]:
-    """Geometric mean of the ratios and its 95% bootstrap interval over the pairs."""
-    logs = [math.log(r) for r in ratios]
-    rng = random.Random(0)
-    boots = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(n_boot))
-    return math.exp(statistics.fmean(logs)), math.exp(boots[int(0.025 * n_boot)]), math.exp(boots[int(0.975 * n_boot)])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--core", type=int, default=2, help="the measured thread's CPU")
@@ -123,7 +110,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     ap.add_argument("--seconds", type=float, default=20.0, help="per kind")
     ap.add_argument("--block-ms", type=float, default=100.0)
-    ap.add_argument("--chunk", type=int, default=2000, help="loop turns per timed chunk (~0.1-0.3 ms)")
+    ap.add_argument("--chunk", type=int, default=2000, help="loop turns per timed chunk (cpu_speed_probe.py's; ~0.5 ms on a 2-vCPU VM)")
     ap.add_argument("--dir", default=None, help="where `write` writes its file (default: a temporary folder)")
     args = ap.parse_args()
     allowed = sorted(os.sched_getaffinity(0))
@@ -140,7 +127,7 @@ def main() -> None:
             if not ratios:
                 print(f"{kind}: no complete pair of blocks (raise --seconds)")
                 continue
-            mean, lo, hi = interval(ratios)
+            mean, lo, hi = paired_ci(ratios)
             print(f"{kind}: chunk time on CPU {args.core} with CPU {load_core} loaded / idle: {mean:.4f} "
                   f"[{lo:.4f}, {hi:.4f}] over {len(ratios)} pairs of {args.block_ms:.0f} ms blocks", flush=True)
 

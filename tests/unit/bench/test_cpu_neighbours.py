@@ -25,6 +25,6 @@ def test_the_neighbour_runs_in_the_on_blocks_and_leaves_nothing_behind(tmp_path,
     t.join(30)
     ratios = out["ratios"]
     assert len(ratios) >= 5 and all(r > 0 for r in ratios)
-    mean, lo, hi = bench.interval(ratios)
+    mean, lo, hi = bench.paired_ci(ratios)
     assert lo <= mean <= hi
     assert list(tmp_path.iterdir()) == []  # the write kind's file is removed
