@@ -76,6 +76,10 @@ it costs: `--skip-kv-writes file|all|direct` leaves the KV record batches out of
 not written; neither; written past the page cache with O_DIRECT to a scratch file), and `--pin far|near|
 engine` pins the engine thread to one CPU and kvtrace's threads to other cores, to its core's other
 hardware thread, or nowhere.
+`--ab-pause load-thread|load-process` switches a load shaped like the writer's KV record work instead
+(copies of 3.36 MB and their write() into the page cache, `--load-mb-s`), on a thread of the engine's
+process or in a process of its own, kvtrace recording the same in both kinds of block: whether that work
+costs the engine thread through the process it shares or through the machine.
 
 `--hook-times` (with `--threads`) times kvtrace's per-step calls on the engine thread over the same
 window, each wrapped in a `perf_counter_ns` pair (~0.2 us a call of its own): the KV ring's
@@ -96,6 +100,7 @@ import json
 import mmap
 import os
 import pstats
+import select
 import shutil
 import statistics
 import subprocess
@@ -479,6 +484,84 @@ class DirectWrites:
         return size
 
 
+# --ab-pause load-thread / load-process: a load shaped like the shard writer's KV record work (a copy of each
+# batch's bytes, then its write() into the page cache, at the rate the writer writes them in the on blocks of
+# an all-writer A/B) switched on in the on blocks and held in the off ones, with kvtrace recording the same in
+# both. Run on a thread of the engine's process or in a process of its own, it tells whether what the
+# writer's work costs the engine thread comes with sharing its process (the GIL it barely takes, the memory
+# map, the file table) or with any such work on the machine.
+LOADS = {"load-thread": "thread", "load-process": "process"}
+LOAD_BATCH_BYTES = 3_360_000  # one ~100 ms drain of the 1B default's records
+LOAD_FILE_BYTES = 1 << 30  # the scratch file wraps around here: bounded disk
+
+
+def load_loop(control: int, path: str, mb_s: float) -> float:
+    """Copies and writes LOAD_BATCH_BYTES at `mb_s` MB/s to `path` while switched on: reads b"1" (on), b"0"
+    (held, blocking) or b"q"/EOF (stop) from the `control` pipe. Returns its thread's CPU seconds."""
+    src = np.random.default_rng(0).integers(0, 256, LOAD_BATCH_BYTES, dtype=np.uint8)
+    dst = np.empty_like(src)
+    period_s = LOAD_BATCH_BYTES / (mb_s * 1e6)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    on, due, offset = False, 0.0, 0
+    try:
+        while True:
+            wait = max(0.0, due - time.monotonic()) if on else None
+            if select.select([control], [], [], wait)[0]:
+                cmd = os.read(control, 1)
+                if cmd in (b"", b"q"):
+                    return time.thread_time()
+                on, due = cmd == b"1", time.monotonic()
+                continue
+            np.copyto(dst, src)  # the serialization's copy (the GIL let go)
+            if offset + dst.size > LOAD_FILE_BYTES:
+                offset = 0
+            offset += os.pwrite(fd, dst, offset)
+            due = max(due + period_s, time.monotonic() - period_s)  # no burst to catch up after a slow write
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+class SyntheticLoad:
+    """`load_loop` on a thread of this process or in a child process, switched by `set`; `stop` ends it
+    and returns its CPU seconds."""
+
+    def __init__(self, where: str, directory: str, mb_s: float) -> None:
+        self.where, self.on = where, False
+        read_fd, self.control = os.pipe()
+        path = os.path.join(directory, f"kvtrace-load-{os.getpid()}.scratch")
+        if where == "thread":
+            self.cpu_s = 0.0
+
+            def run():
+                self.cpu_s = load_loop(read_fd, path, mb_s)
+
+            self.worker = threading.Thread(target=run, name="kvtrace-bench-load", daemon=True)
+            self.worker.start()
+        else:
+            code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                    f"import profile_engine_thread as p; p.load_loop({read_fd}, {path!r}, {mb_s!r})")
+            self.child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(read_fd,))
+            os.close(read_fd)
+
+    def set(self, on: bool) -> None:
+        if on != self.on:
+            self.on = on
+            os.write(self.control, b"1" if on else b"0")
+
+    def stop(self) -> float:
+        os.write(self.control, b"q")
+        os.close(self.control)
+        if self.where == "thread":
+            self.worker.join(timeout=30)
+            return self.cpu_s
+        _, status, usage = os.wait4(self.child.pid, 0)
+        self.child.returncode = os.waitstatus_to_exitcode(status)
+        if self.child.returncode:
+            raise SystemExit(f"profile --ab-pause {self.where}: the load process failed (exit {self.child.returncode})")
+        return usage.ru_utime + usage.ru_stime
+
+
 # --ab-calls: vLLM's own methods on the engine thread, each call timed in its block of --ab-blocks. kvtrace's
 # patches stay in place in both kinds of block (switched off in one), so a method's time on minus off is
 # what kvtrace adds inside it: its wrapper's handlers (schedule, update_from_output), its block-pool hooks
@@ -653,6 +736,11 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
             raise SystemExit("profile --skip-kv-writes: no recorder in this process (run a recorded variant)")
         skip_kv_writes(current_recorder(), args.skip_kv_writes)
     pinned = pin_threads(args.pin) if args.pin else None
+    load = None
+    if args.ab_pause in LOADS:
+        writer = getattr(current_recorder(), "writers", {}).get("kv_access_records")
+        where = str(writer.directory) if writer is not None else tempfile.gettempdir()  # beside the shards
+        load = SyntheticLoad(LOADS[args.ab_pause], where, args.load_mb_s)
     engine, size = llm.llm_engine, args.ab_blocks
     original, calls, count = engine.step, [], [0]
     current = [-1]  # the block of the step running now (--ab-calls)
@@ -673,6 +761,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
             ring.sample_every = 1 if recording else PAUSED
         elif args.ab_pause == "state":  # read at the step's begin_step too
             ring.defer_state = recording
+        elif load is not None:
+            load.set(recording)
         start = usage.before() if usage is not None else None
         t0 = time.perf_counter_ns()
         out = original()
@@ -694,6 +784,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         pause.set(True)
     if hold is not None:
         hold.remove()
+    load_cpu_s = load.stop() if load is not None else None
     if ring is not None:
         ring.sample_every = 1
         if args.ab_pause == "state":
@@ -708,6 +799,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              "call_times": methods.ns if methods is not None else None,
                                              "thread_usage": usage.sums if usage is not None else None,
                                              "pinned": pinned, "skip_kv_writes": args.skip_kv_writes,
+                                             "load": {"where": load.where, "mb_s": args.load_mb_s, "cpu_s": load_cpu_s}
+                                             if load is not None else None,
                                              "machine_cpu": machine_cpu_delta(cpus0)}))
 
 
@@ -784,6 +877,10 @@ def setup_note(r: dict) -> str:
                 f"{pinned['engine_core']}), {where}")
     if skipped:
         out += f"; KV record batches not written ({skipped})"
+    load = r.get("load")
+    if load:
+        out += (f"; the load: {load['mb_s']:g} MB/s in the on blocks on a {load['where']} of its own, its CPU "
+                f"{100 * load['cpu_s'] / r['wall_s']:.2f}% of the window")
     return out
 
 
@@ -836,7 +933,9 @@ PAUSE_NAMES = {"records": ("recording", "paused"), "all": ("kvtrace on", "kvtrac
                "all-threads": ("kvtrace on with its threads' work", "kvtrace off, its threads held"),
                "all-drain": ("kvtrace on with its drain thread's work", "kvtrace off, its drain thread held"),
                "all-writer": ("kvtrace on with its writer thread's work", "kvtrace off, its writer thread held"),
-               "state": ("state launch deferred", "state launch in begin_step")}
+               "state": ("state launch deferred", "state launch in begin_step"),
+               "load-thread": ("a writer-like load on a thread of the engine's process", "the load held"),
+               "load-process": ("a writer-like load in a process of its own", "the load held")}
 
 
 def ab_report(variant: str, reps: list[dict]) -> str:
@@ -1017,7 +1116,12 @@ def main() -> None:
                     help="with --ab-blocks, what the paused block switches off: the ring's records (records), "
                     "all of kvtrace (all), all of it with its background threads held so that their work lands in "
                     "the on blocks (all-threads; all-drain, all-writer: only the KV ring's drain thread or the shard "
-                    "writer held), the state launch's deferral (state), or nothing, an A/A (none)")
+                    "writer held), the state launch's deferral (state), a writer-like load on a thread of the "
+                    "engine's process or in a process of its own, kvtrace recording the same in both (load-thread, "
+                    "load-process), or nothing, an A/A (none)")
+    ap.add_argument("--load-mb-s", type=float, default=33.0,
+                    help="with --ab-pause load-thread|load-process: the load's copy-and-write rate in the on blocks, "
+                    "MB/s (33: the 1B default's KV records in an all-writer A/B's on blocks)")
     ap.add_argument("--ab-calls", action="store_true",
                     help="with --ab-blocks: also time vLLM's scheduler, KV-cache manager, block-pool and model-runner "
                     "methods per call in each block (what kvtrace adds inside each, on minus off)")
@@ -1063,6 +1167,7 @@ def main() -> None:
                    *(["--ab-calls"] if args.ab_calls else []),
                    *(["--pin", args.pin] if args.pin else []),
                    *(["--skip-kv-writes", args.skip_kv_writes] if args.skip_kv_writes else []),
+                   *(["--load-mb-s", str(args.load_mb_s)] if args.ab_pause in LOADS else []),
                    *(["--py-spy", args.py_spy] if args.py_spy else [])]
             if bgt.VARIANTS[v] is not None:
                 cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session),

@@ -4,6 +4,7 @@ keeps, which pairs it leaves out, and the ratio it reads from them."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import threading
@@ -417,3 +418,53 @@ def test_skipping_the_kv_record_writes_leaves_the_other_tables_written(profile, 
         assert rec.rows_written["clock_anchors"] >= 2 and rec.writers["clock_anchors"].bytes_total > 0
     finally:
         rec.close()
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_the_synthetic_load_writes_only_while_switched_on(profile, tmp_path, where):
+    """--ab-pause load-thread|load-process: the load copies and writes its batches while on, nothing while
+    held, and on stop says its CPU time and leaves no scratch file."""
+    load = profile.SyntheticLoad(where, str(tmp_path), mb_s=200.0)
+    scratch = tmp_path / f"kvtrace-load-{os.getpid()}.scratch"
+    try:
+        deadline = time.monotonic() + 30
+        while not scratch.exists() and time.monotonic() < deadline:  # the child opens it as it starts
+            time.sleep(0.05)
+        load.set(True)
+        while scratch.stat().st_size < 3 * profile.LOAD_BATCH_BYTES and time.monotonic() < deadline:
+            time.sleep(0.02)
+        load.set(False)
+        time.sleep(0.3)  # a batch under way finishes
+        held = scratch.stat().st_size
+        time.sleep(0.5)
+        assert held >= 3 * profile.LOAD_BATCH_BYTES and scratch.stat().st_size == held
+    finally:
+        cpu_s = load.stop()
+    assert cpu_s > 0 and not scratch.exists()
+
+
+def test_the_load_comparison_switches_the_load_by_block_and_reports_it(profile, monkeypatch, tmp_path):
+    loads = []
+
+    class Load:
+        def __init__(self, where, directory, mb_s):
+            self.where, self.states = where, []
+            loads.append(self)
+
+        def set(self, on):
+            self.states.append(on)
+
+        def stop(self):
+            return 0.25
+
+    monkeypatch.setattr(profile, "SyntheticLoad", Load)
+    monkeypatch.setattr(profile, "kv_ring", lambda: None)
+    args = types.SimpleNamespace(ab_blocks=2, ab_pause="load-process", ab_calls=False, reps=1, pin=None,
+                                 skip_kv_writes=None, load_mb_s=33.0, result=str(tmp_path / "r.json"))
+    profile.ab_blocks_worker(args, fake_llm(8, lambda: None), None, lambda rep: [])
+    assert loads[0].where == "process" and loads[0].states == [profile.block_records(n // 2) for n in range(8)]
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["load"] == {"where": "process", "mb_s": 33.0, "cpu_s": 0.25}
+    report = profile.ab_blocks_report("default", {**r, "wall_s": 10.0, "calls": calls_of(profile, [[10.0] * 4] * 4, 4)})
+    assert "a writer-like load in a process of its own / the load held" in report
+    assert "the load: 33 MB/s in the on blocks on a process of its own, its CPU 2.50% of the window" in report
