@@ -493,16 +493,19 @@ class DirectWrites:
 LOADS = {"load-thread": "thread", "load-process": "process"}
 LOAD_BATCH_BYTES = 3_360_000  # one ~100 ms drain of the 1B default's records
 LOAD_FILE_BYTES = 1 << 30  # the scratch file wraps around here: bounded disk
+LOAD_FLUSH_BATCHES = 20  # --load-churn: batches freed together (a flush of 2 s of drains)
 
 
-def load_loop(control: int, path: str, mb_s: float) -> float:
+def load_loop(control: int, path: str, mb_s: float, churn: bool = False) -> float:
     """Copies and writes LOAD_BATCH_BYTES at `mb_s` MB/s to `path` while switched on: reads b"1" (on), b"0"
-    (held, blocking) or b"q"/EOF (stop) from the `control` pipe. Returns its thread's CPU seconds."""
+    (held, blocking) or b"q"/EOF (stop) from the `control` pipe. Returns its thread's CPU seconds. `churn`:
+    each batch copied into memory of its own, kept until LOAD_FLUSH_BATCHES of them are freed together (as
+    the drain's record copies are, at the writer's flush), instead of into one buffer reused."""
     src = np.random.default_rng(0).integers(0, 256, LOAD_BATCH_BYTES, dtype=np.uint8)
     dst = np.empty_like(src)
     period_s = LOAD_BATCH_BYTES / (mb_s * 1e6)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    on, due, offset = False, 0.0, 0
+    on, due, offset, kept = False, 0.0, 0, []
     try:
         while True:
             wait = max(0.0, due - time.monotonic()) if on else None
@@ -512,6 +515,11 @@ def load_loop(control: int, path: str, mb_s: float) -> float:
                     return time.thread_time()
                 on, due = cmd == b"1", time.monotonic()
                 continue
+            if churn:
+                if len(kept) >= LOAD_FLUSH_BATCHES:
+                    kept.clear()
+                dst = np.empty_like(src)
+                kept.append(dst)
             np.copyto(dst, src)  # the serialization's copy (the GIL let go)
             if offset + dst.size > LOAD_FILE_BYTES:
                 offset = 0
@@ -526,7 +534,7 @@ class SyntheticLoad:
     """`load_loop` on a thread of this process or in a child process, switched by `set`; `stop` ends it
     and returns its CPU seconds."""
 
-    def __init__(self, where: str, directory: str, mb_s: float) -> None:
+    def __init__(self, where: str, directory: str, mb_s: float, churn: bool = False) -> None:
         self.where, self.on = where, False
         read_fd, self.control = os.pipe()
         path = os.path.join(directory, f"kvtrace-load-{os.getpid()}.scratch")
@@ -534,13 +542,13 @@ class SyntheticLoad:
             self.cpu_s = 0.0
 
             def run():
-                self.cpu_s = load_loop(read_fd, path, mb_s)
+                self.cpu_s = load_loop(read_fd, path, mb_s, churn)
 
             self.worker = threading.Thread(target=run, name="kvtrace-bench-load", daemon=True)
             self.worker.start()
         else:
             code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                    f"import profile_engine_thread as p; p.load_loop({read_fd}, {path!r}, {mb_s!r})")
+                    f"import profile_engine_thread as p; p.load_loop({read_fd}, {path!r}, {mb_s!r}, {churn!r})")
             self.child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(read_fd,))
             os.close(read_fd)
 
@@ -649,7 +657,7 @@ def ab_call_diffs(r: dict, pairs: list[tuple[int, int, int, int]], key: str = "c
 # CPU and extra voluntary switches is time spent waiting (for the GIL, held by a background thread); extra
 # CPU is work on the thread itself, or the same work made slower (caches shared with the other threads).
 USAGE = (("CPU time, us", 1e-3), ("off the CPU, us", 1e-3), ("voluntary switches", 1.0),
-         ("involuntary switches", 1.0))
+         ("involuntary switches", 1.0), ("minor page faults", 1.0))
 
 
 class StepUsage:
@@ -664,13 +672,13 @@ class StepUsage:
 
     def before(self) -> tuple:
         ru = self._usage()
-        return ru.ru_nvcsw, ru.ru_nivcsw, time.thread_time_ns()
+        return ru.ru_nvcsw, ru.ru_nivcsw, time.thread_time_ns(), ru.ru_minflt
 
     def after(self, block: int, start: tuple, wall_ns: int) -> None:
         cpu_ns = time.thread_time_ns() - start[2]
         ru = self._usage()
         for (name, _), value in zip(USAGE, (cpu_ns, wall_ns - cpu_ns, ru.ru_nvcsw - start[0],
-                                            ru.ru_nivcsw - start[1])):
+                                            ru.ru_nivcsw - start[1], ru.ru_minflt - start[3])):
             cur = self.sums[name].setdefault(block, [0, 0])
             cur[0] += value
             cur[1] += 1
@@ -740,18 +748,29 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     if args.ab_pause in LOADS:
         writer = getattr(current_recorder(), "writers", {}).get("kv_access_records")
         where = str(writer.directory) if writer is not None else tempfile.gettempdir()  # beside the shards
-        load = SyntheticLoad(LOADS[args.ab_pause], where, args.load_mb_s)
+        load = SyntheticLoad(LOADS[args.ab_pause], where, args.load_mb_s, args.load_churn)
     engine, size = llm.llm_engine, args.ab_blocks
     original, calls, count = engine.step, [], [0]
     current = [-1]  # the block of the step running now (--ab-calls)
     methods = BlockCallTimes(current) if args.ab_calls else None
     usage = StepUsage() if args.ab_calls else None
 
+    tlb = {True: 0, False: 0}  # shootdowns in the on and off blocks (read at each block's first step)
+    tlb_last = [tlb_shootdowns()]
+
+    def count_tlb(recording: bool) -> None:
+        if tlb_last[0] is not None:
+            now = tlb_shootdowns()
+            tlb[recording] += now - tlb_last[0]
+            tlb_last[0] = now
+
     def timed_step():
         n = count[0]
         count[0] += 1
         block = current[0] = n // size
         recording = block_records(block)
+        if n % size == 0 and n:
+            count_tlb(block_records(block - 1))
         if hold is not None:  # the threads' work inside the on block's timed steps (waits outside any)
             hold.set(recording and n % size >= AB_SKIP)
         if pause is not None:
@@ -777,6 +796,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     for rep in range(args.reps):
         llm.generate(prompts(rep), params, use_tqdm=False)
     seconds = time.perf_counter() - t0
+    count_tlb(block_records(current[0]))
     engine.step = original
     if methods is not None:
         methods.remove()
@@ -799,9 +819,12 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              "call_times": methods.ns if methods is not None else None,
                                              "thread_usage": usage.sums if usage is not None else None,
                                              "pinned": pinned, "skip_kv_writes": args.skip_kv_writes,
-                                             "load": {"where": load.where, "mb_s": args.load_mb_s, "cpu_s": load_cpu_s}
+                                             "load": {"where": load.where, "mb_s": args.load_mb_s, "cpu_s": load_cpu_s,
+                                                      "churn": args.load_churn}
                                              if load is not None else None,
-                                             "machine_cpu": machine_cpu_delta(cpus0)}))
+                                             "machine_cpu": machine_cpu_delta(cpus0),
+                                             "tlb_shootdowns": {"on": tlb[True], "off": tlb[False]}
+                                             if tlb_last[0] is not None else None}))
 
 
 def steady(ns: list[int]) -> bool:
@@ -861,7 +884,7 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"{statistics.fmean(on_ms):.3f} ms {on_name}, {statistics.fmean(off_ms):.3f} ms {off_name}; {steps} steps "
             f"in {r['wall_s']:.1f} s; rows drained {r['rows']}; kvtrace threads' CPU "
             f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window ({threads_where(r)})"
-            + machine_note(r) + spoilt + setup_note(r)
+            + machine_note(r) + tlb_note(r) + spoilt + setup_note(r)
             + "".join("\n" + line for line in ab_calls_report(ab_call_diffs(r, kept), (on_name, off_name))
                       + usage_report(usage_diffs(r, kept), (on_name, off_name))))
 
@@ -879,7 +902,8 @@ def setup_note(r: dict) -> str:
         out += f"; KV record batches not written ({skipped})"
     load = r.get("load")
     if load:
-        out += (f"; the load: {load['mb_s']:g} MB/s in the on blocks on a {load['where']} of its own, its CPU "
+        out += (f"; the load: {load['mb_s']:g} MB/s in the on blocks on a {load['where']} of its own"
+                f"{', each batch in memory of its own' if load.get('churn') else ''}, its CPU "
                 f"{100 * load['cpu_s'] / r['wall_s']:.2f}% of the window")
     return out
 
@@ -1122,6 +1146,9 @@ def main() -> None:
     ap.add_argument("--load-mb-s", type=float, default=33.0,
                     help="with --ab-pause load-thread|load-process: the load's copy-and-write rate in the on blocks, "
                     "MB/s (33: the 1B default's KV records in an all-writer A/B's on blocks)")
+    ap.add_argument("--load-churn", action="store_true",
+                    help="with --ab-pause load-thread|load-process: each batch copied into memory of its own, freed "
+                    "20 at a time (as the drain's record copies at a flush), not into one buffer reused")
     ap.add_argument("--ab-calls", action="store_true",
                     help="with --ab-blocks: also time vLLM's scheduler, KV-cache manager, block-pool and model-runner "
                     "methods per call in each block (what kvtrace adds inside each, on minus off)")
@@ -1168,6 +1195,7 @@ def main() -> None:
                    *(["--pin", args.pin] if args.pin else []),
                    *(["--skip-kv-writes", args.skip_kv_writes] if args.skip_kv_writes else []),
                    *(["--load-mb-s", str(args.load_mb_s)] if args.ab_pause in LOADS else []),
+                   *(["--load-churn"] if args.load_churn else []),
                    *(["--py-spy", args.py_spy] if args.py_spy else [])]
             if bgt.VARIANTS[v] is not None:
                 cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session),
@@ -1197,6 +1225,20 @@ def main() -> None:
                   + "\n".join(said[-3:]), flush=True)
 
 
+def tlb_shootdowns() -> int | None:
+    """TLB shootdown interrupts so far, all CPUs summed (/proc/interrupts' TLB line), or None. A process
+    that unmaps or gives back memory interrupts every CPU running one of its threads to flush its TLB."""
+    try:
+        with open("/proc/interrupts") as f:
+            for line in f:
+                name, _, rest = line.strip().partition(":")
+                if name == "TLB":
+                    return sum(int(x) for x in rest.split() if x.isdigit())
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def machine_cpu() -> list[int] | None:
     """The machine's CPU time so far by state (/proc/stat's `cpu` line, in clock ticks), or None."""
     try:
@@ -1215,6 +1257,19 @@ def machine_cpu_delta(before: list[int] | None) -> dict | None:
     d = [b - a for a, b in zip(before, after)]
     total = max(1, sum(d[:8]))  # user nice system idle iowait irq softirq steal (guest is inside user)
     return {"busy": (total - d[3] - d[4] - d[7]) / total, "steal": d[7] / total}
+
+
+def tlb_note(r: dict) -> str:
+    """TLB shootdowns a step (all CPUs) in the on and off blocks, as a report's clause ('' when unknown)."""
+    tlb = r.get("tlb_shootdowns")
+    if not tlb:
+        return ""
+    on_name, off_name = PAUSE_NAMES[r.get("paused", "records")]
+    steps = {True: 0, False: 0}
+    for _, recording, _, _ in r["calls"]:
+        steps[recording] += 1
+    return (f"; TLB shootdowns (all CPUs) {tlb['on'] / max(1, steps[True]):.2f} a step {on_name}, "
+            f"{tlb['off'] / max(1, steps[False]):.2f} {off_name}")
 
 
 def machine_note(r: dict) -> str:

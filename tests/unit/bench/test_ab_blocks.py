@@ -420,11 +420,11 @@ def test_skipping_the_kv_record_writes_leaves_the_other_tables_written(profile, 
         rec.close()
 
 
-@pytest.mark.parametrize("where", ["thread", "process"])
-def test_the_synthetic_load_writes_only_while_switched_on(profile, tmp_path, where):
+@pytest.mark.parametrize("where,churn", [("thread", False), ("process", False), ("thread", True)])
+def test_the_synthetic_load_writes_only_while_switched_on(profile, tmp_path, where, churn):
     """--ab-pause load-thread|load-process: the load copies and writes its batches while on, nothing while
     held, and on stop says its CPU time and leaves no scratch file."""
-    load = profile.SyntheticLoad(where, str(tmp_path), mb_s=200.0)
+    load = profile.SyntheticLoad(where, str(tmp_path), mb_s=200.0, churn=churn)
     scratch = tmp_path / f"kvtrace-load-{os.getpid()}.scratch"
     try:
         deadline = time.monotonic() + 30
@@ -447,8 +447,8 @@ def test_the_load_comparison_switches_the_load_by_block_and_reports_it(profile, 
     loads = []
 
     class Load:
-        def __init__(self, where, directory, mb_s):
-            self.where, self.states = where, []
+        def __init__(self, where, directory, mb_s, churn):
+            self.where, self.states, self.churn = where, [], churn
             loads.append(self)
 
         def set(self, on):
@@ -460,11 +460,16 @@ def test_the_load_comparison_switches_the_load_by_block_and_reports_it(profile, 
     monkeypatch.setattr(profile, "SyntheticLoad", Load)
     monkeypatch.setattr(profile, "kv_ring", lambda: None)
     args = types.SimpleNamespace(ab_blocks=2, ab_pause="load-process", ab_calls=False, reps=1, pin=None,
-                                 skip_kv_writes=None, load_mb_s=33.0, result=str(tmp_path / "r.json"))
+                                 skip_kv_writes=None, load_mb_s=33.0, load_churn=True, result=str(tmp_path / "r.json"))
+    monkeypatch.setattr(profile, "tlb_shootdowns", iter(range(0, 100, 3)).__next__)  # 3 between reads
     profile.ab_blocks_worker(args, fake_llm(8, lambda: None), None, lambda rep: [])
-    assert loads[0].where == "process" and loads[0].states == [profile.block_records(n // 2) for n in range(8)]
+    assert loads[0].where == "process" and loads[0].churn
+    assert loads[0].states == [profile.block_records(n // 2) for n in range(8)]
     r = json.loads((tmp_path / "r.json").read_text())
-    assert r["load"] == {"where": "process", "mb_s": 33.0, "cpu_s": 0.25}
+    assert r["load"] == {"where": "process", "mb_s": 33.0, "cpu_s": 0.25, "churn": True}
+    assert r["tlb_shootdowns"] == {"on": 6, "off": 6}  # read at each of the 4 blocks' first step and at the end
     report = profile.ab_blocks_report("default", {**r, "wall_s": 10.0, "calls": calls_of(profile, [[10.0] * 4] * 4, 4)})
     assert "a writer-like load in a process of its own / the load held" in report
-    assert "the load: 33 MB/s in the on blocks on a process of its own, its CPU 2.50% of the window" in report
+    assert ("the load: 33 MB/s in the on blocks on a process of its own, each batch in memory of its own, its CPU "
+            "2.50% of the window") in report
+    assert "TLB shootdowns (all CPUs) 0.75 a step a writer-like load in a process of its own, 0.75 the load held" in report
