@@ -25,7 +25,8 @@
 #   AB_CALLS=1 AB_PAUSE=load-process VARIANTS=default REPS=45 bash bench/gpu_overhead.sh ab   # a writer-like load
 #                                                   # (copies and page-cache writes, LOAD_MB_S, default 33) in another
 #                                                   # process by blocks, kvtrace recording in both (load-thread: on a
-#                                                   # thread of the engine's process; LOAD_CHURN=1: each batch in memory of its own)
+#                                                   # thread of the engine's process; LOAD_CHURN=1: each batch in memory of its own;
+#                                                   # LOAD_HANDOVERS=N: N GIL hand-overs after each batch)
 #   bash bench/gpu_overhead.sh gil                  # which thread holds the GIL, py-spy at 1 kHz
 #   KVTRACE_PY_SPY_NATIVE=1 bash bench/gpu_overhead.sh gil   # with C frames (py-spy pauses the process)
 #   bash bench/gpu_overhead.sh hooks                # kvtrace's per-step calls timed (--hook-times)
@@ -70,7 +71,7 @@ for stage in "$@"; do
     ab)
         run ab 560 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${VARIANTS:-default,all-layers}" \
             --ab-blocks 16 --ab-pause "${AB_PAUSE:-records}" ${AB_CALLS:+--ab-calls} ${PIN:+--pin "$PIN"} \
-            ${SKIP_KV_WRITES:+--skip-kv-writes "$SKIP_KV_WRITES"} ${LOAD_MB_S:+--load-mb-s "$LOAD_MB_S"} ${LOAD_CHURN:+--load-churn} --reps "${REPS:-10}" --out "$OUT/ab" ;;
+            ${SKIP_KV_WRITES:+--skip-kv-writes "$SKIP_KV_WRITES"} ${LOAD_MB_S:+--load-mb-s "$LOAD_MB_S"} ${LOAD_CHURN:+--load-churn} ${LOAD_HANDOVERS:+--load-handovers "$LOAD_HANDOVERS"} --reps "${REPS:-10}" --out "$OUT/ab" ;;
     gil)
         run gil 540 env KVTRACE_GIL_RATE_HZ=1000 python3 bench/profile_engine_thread.py --shape "$SHAPE" \
             --variants "${VARIANTS:-default,host-only,all-layers}" --threads --reps "${REPS:-3}" --py-spy "${KVTRACE_PY_SPY:-}" \

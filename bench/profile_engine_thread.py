@@ -496,11 +496,14 @@ LOAD_FILE_BYTES = 1 << 30  # the scratch file wraps around here: bounded disk
 LOAD_FLUSH_BATCHES = 20  # --load-churn: batches freed together (a flush of 2 s of drains)
 
 
-def load_loop(control: int, path: str, mb_s: float, churn: bool = False) -> float:
+def load_loop(control: int, path: str, mb_s: float, churn: bool = False, handovers: int = 0) -> float:
     """Copies and writes LOAD_BATCH_BYTES at `mb_s` MB/s to `path` while switched on: reads b"1" (on), b"0"
     (held, blocking) or b"q"/EOF (stop) from the `control` pipe. Returns its thread's CPU seconds. `churn`:
     each batch copied into memory of its own, kept until LOAD_FLUSH_BATCHES of them are freed together (as
-    the drain's record copies are, at the writer's flush), instead of into one buffer reused."""
+    the drain's record copies are, at the writer's flush), instead of into one buffer reused. `handovers`:
+    after each batch, that many calls that let the GIL go and take it back (`time.sleep(0)`) with next to no
+    Python between them: the GIL hand-overs without the work (the shard writer makes ~12 a batch of
+    records, bench_flush_handovers.py)."""
     src = np.random.default_rng(0).integers(0, 256, LOAD_BATCH_BYTES, dtype=np.uint8)
     dst = np.empty_like(src)
     period_s = LOAD_BATCH_BYTES / (mb_s * 1e6)
@@ -524,6 +527,8 @@ def load_loop(control: int, path: str, mb_s: float, churn: bool = False) -> floa
             if offset + dst.size > LOAD_FILE_BYTES:
                 offset = 0
             offset += os.pwrite(fd, dst, offset)
+            for _ in range(handovers):
+                time.sleep(0)  # lets the GIL go and takes it back
             due = max(due + period_s, time.monotonic() - period_s)  # no burst to catch up after a slow write
     finally:
         os.close(fd)
@@ -534,7 +539,7 @@ class SyntheticLoad:
     """`load_loop` on a thread of this process or in a child process, switched by `set`; `stop` ends it
     and returns its CPU seconds."""
 
-    def __init__(self, where: str, directory: str, mb_s: float, churn: bool = False) -> None:
+    def __init__(self, where: str, directory: str, mb_s: float, churn: bool = False, handovers: int = 0) -> None:
         self.where, self.on = where, False
         read_fd, self.control = os.pipe()
         path = os.path.join(directory, f"kvtrace-load-{os.getpid()}.scratch")
@@ -542,13 +547,13 @@ class SyntheticLoad:
             self.cpu_s = 0.0
 
             def run():
-                self.cpu_s = load_loop(read_fd, path, mb_s, churn)
+                self.cpu_s = load_loop(read_fd, path, mb_s, churn, handovers)
 
             self.worker = threading.Thread(target=run, name="kvtrace-bench-load", daemon=True)
             self.worker.start()
         else:
             code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                    f"import profile_engine_thread as p; p.load_loop({read_fd}, {path!r}, {mb_s!r}, {churn!r})")
+                    f"import profile_engine_thread as p; p.load_loop({read_fd}, {path!r}, {mb_s!r}, {churn!r}, {handovers!r})")
             self.child = subprocess.Popen([sys.executable, "-c", code], pass_fds=(read_fd,))
             os.close(read_fd)
 
@@ -748,7 +753,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     if args.ab_pause in LOADS:
         writer = getattr(current_recorder(), "writers", {}).get("kv_access_records")
         where = str(writer.directory) if writer is not None else tempfile.gettempdir()  # beside the shards
-        load = SyntheticLoad(LOADS[args.ab_pause], where, args.load_mb_s, args.load_churn)
+        load = SyntheticLoad(LOADS[args.ab_pause], where, args.load_mb_s, args.load_churn, args.load_handovers)
     engine, size = llm.llm_engine, args.ab_blocks
     original, calls, count = engine.step, [], [0]
     current = [-1]  # the block of the step running now (--ab-calls)
@@ -820,7 +825,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              "thread_usage": usage.sums if usage is not None else None,
                                              "pinned": pinned, "skip_kv_writes": args.skip_kv_writes,
                                              "load": {"where": load.where, "mb_s": args.load_mb_s, "cpu_s": load_cpu_s,
-                                                      "churn": args.load_churn}
+                                                      "churn": args.load_churn, "handovers": args.load_handovers}
                                              if load is not None else None,
                                              "machine_cpu": machine_cpu_delta(cpus0),
                                              "tlb_shootdowns": {"on": tlb[True], "off": tlb[False]}
@@ -903,7 +908,8 @@ def setup_note(r: dict) -> str:
     load = r.get("load")
     if load:
         out += (f"; the load: {load['mb_s']:g} MB/s in the on blocks on a {load['where']} of its own"
-                f"{', each batch in memory of its own' if load.get('churn') else ''}, its CPU "
+                f"{', each batch in memory of its own' if load.get('churn') else ''}"
+                f"{f', {h} GIL hand-overs a batch' if (h := load.get('handovers')) else ''}, its CPU "
                 f"{100 * load['cpu_s'] / r['wall_s']:.2f}% of the window")
     return out
 
@@ -1149,6 +1155,9 @@ def main() -> None:
     ap.add_argument("--load-churn", action="store_true",
                     help="with --ab-pause load-thread|load-process: each batch copied into memory of its own, freed "
                     "20 at a time (as the drain's record copies at a flush), not into one buffer reused")
+    ap.add_argument("--load-handovers", type=int, default=0, metavar="N",
+                    help="with --ab-pause load-thread|load-process: after each batch, N calls that let the GIL go and "
+                    "take it back (the shard writer makes ~12 a batch of records)")
     ap.add_argument("--ab-calls", action="store_true",
                     help="with --ab-blocks: also time vLLM's scheduler, KV-cache manager, block-pool and model-runner "
                     "methods per call in each block (what kvtrace adds inside each, on minus off)")
@@ -1196,6 +1205,7 @@ def main() -> None:
                    *(["--skip-kv-writes", args.skip_kv_writes] if args.skip_kv_writes else []),
                    *(["--load-mb-s", str(args.load_mb_s)] if args.ab_pause in LOADS else []),
                    *(["--load-churn"] if args.load_churn else []),
+                   *(["--load-handovers", str(args.load_handovers)] if args.load_handovers else []),
                    *(["--py-spy", args.py_spy] if args.py_spy else [])]
             if bgt.VARIANTS[v] is not None:
                 cmd = [sys.executable, "-m", "kvtrace", "record", "-o", str(session),

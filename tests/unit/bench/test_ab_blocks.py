@@ -420,11 +420,19 @@ def test_skipping_the_kv_record_writes_leaves_the_other_tables_written(profile, 
         rec.close()
 
 
-@pytest.mark.parametrize("where,churn", [("thread", False), ("process", False), ("thread", True)])
-def test_the_synthetic_load_writes_only_while_switched_on(profile, tmp_path, where, churn):
-    """--ab-pause load-thread|load-process: the load copies and writes its batches while on, nothing while
-    held, and on stop says its CPU time and leaves no scratch file."""
-    load = profile.SyntheticLoad(where, str(tmp_path), mb_s=200.0, churn=churn)
+@pytest.mark.parametrize("where,churn,handovers", [("thread", False, 0), ("process", False, 0), ("thread", True, 12)])
+def test_the_synthetic_load_writes_only_while_switched_on(profile, tmp_path, monkeypatch, where, churn, handovers):
+    """--ab-pause load-thread|load-process: the load copies and writes its batches while on (with its GIL
+    hand-overs after each), nothing while held, and on stop says its CPU time and leaves no scratch file."""
+    sleep, zero_sleeps = time.sleep, []
+
+    def counted(seconds):
+        if seconds == 0:
+            zero_sleeps.append(threading.current_thread().name)
+        sleep(seconds)
+
+    monkeypatch.setattr(profile.time, "sleep", counted)
+    load = profile.SyntheticLoad(where, str(tmp_path), mb_s=200.0, churn=churn, handovers=handovers)
     scratch = tmp_path / f"kvtrace-load-{os.getpid()}.scratch"
     try:
         deadline = time.monotonic() + 30
@@ -441,13 +449,15 @@ def test_the_synthetic_load_writes_only_while_switched_on(profile, tmp_path, whe
     finally:
         cpu_s = load.stop()
     assert cpu_s > 0 and not scratch.exists()
+    batches = held // profile.LOAD_BATCH_BYTES
+    assert zero_sleeps.count("kvtrace-bench-load") == handovers * batches
 
 
 def test_the_load_comparison_switches_the_load_by_block_and_reports_it(profile, monkeypatch, tmp_path):
     loads = []
 
     class Load:
-        def __init__(self, where, directory, mb_s, churn):
+        def __init__(self, where, directory, mb_s, churn, handovers):
             self.where, self.states, self.churn = where, [], churn
             loads.append(self)
 
@@ -460,16 +470,17 @@ def test_the_load_comparison_switches_the_load_by_block_and_reports_it(profile, 
     monkeypatch.setattr(profile, "SyntheticLoad", Load)
     monkeypatch.setattr(profile, "kv_ring", lambda: None)
     args = types.SimpleNamespace(ab_blocks=2, ab_pause="load-process", ab_calls=False, reps=1, pin=None,
-                                 skip_kv_writes=None, load_mb_s=33.0, load_churn=True, result=str(tmp_path / "r.json"))
+                                 skip_kv_writes=None, load_mb_s=33.0, load_churn=True, load_handovers=12,
+                                 result=str(tmp_path / "r.json"))
     monkeypatch.setattr(profile, "tlb_shootdowns", iter(range(0, 100, 3)).__next__)  # 3 between reads
     profile.ab_blocks_worker(args, fake_llm(8, lambda: None), None, lambda rep: [])
     assert loads[0].where == "process" and loads[0].churn
     assert loads[0].states == [profile.block_records(n // 2) for n in range(8)]
     r = json.loads((tmp_path / "r.json").read_text())
-    assert r["load"] == {"where": "process", "mb_s": 33.0, "cpu_s": 0.25, "churn": True}
+    assert r["load"] == {"where": "process", "mb_s": 33.0, "cpu_s": 0.25, "churn": True, "handovers": 12}
     assert r["tlb_shootdowns"] == {"on": 6, "off": 6}  # read at each of the 4 blocks' first step and at the end
     report = profile.ab_blocks_report("default", {**r, "wall_s": 10.0, "calls": calls_of(profile, [[10.0] * 4] * 4, 4)})
     assert "a writer-like load in a process of its own / the load held" in report
-    assert ("the load: 33 MB/s in the on blocks on a process of its own, each batch in memory of its own, its CPU "
-            "2.50% of the window") in report
+    assert ("the load: 33 MB/s in the on blocks on a process of its own, each batch in memory of its own, 12 GIL "
+            "hand-overs a batch, its CPU 2.50% of the window") in report
     assert "TLB shootdowns (all CPUs) 0.75 a step a writer-like load in a process of its own, 0.75 the load held" in report
