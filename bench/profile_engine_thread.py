@@ -79,7 +79,10 @@ hardware thread, or nowhere.
 `--ab-pause load-thread|load-process` switches a load shaped like the writer's KV record work instead
 (copies of 3.36 MB and their write() into the page cache, `--load-mb-s`), on a thread of the engine's
 process or in a process of its own, kvtrace recording the same in both kinds of block: whether that work
-costs the engine thread through the process it shares or through the machine.
+costs the engine thread through the process it shares or through the machine. `--load-churn` copies each
+batch into fresh memory (freed 20 at a time, as the drain's copies are at a flush); `--load-handovers N`
+adds N GIL hand-overs after each batch, the writer's without its work. The report also gives the TLB
+shootdowns a step (all CPUs) in each kind of block, and `--ab-calls` the engine thread's minor page faults.
 
 `--hook-times` (with `--threads`) times kvtrace's per-step calls on the engine thread over the same
 window, each wrapped in a `perf_counter_ns` pair (~0.2 us a call of its own): the KV ring's
@@ -546,8 +549,13 @@ class SyntheticLoad:
         if where == "thread":
             self.cpu_s = 0.0
 
+            self.error: BaseException | None = None
+
             def run():
-                self.cpu_s = load_loop(read_fd, path, mb_s, churn, handovers)
+                try:
+                    self.cpu_s = load_loop(read_fd, path, mb_s, churn, handovers)
+                except BaseException as exc:  # said by stop(): a load that failed spoils the comparison
+                    self.error = exc
 
             self.worker = threading.Thread(target=run, name="kvtrace-bench-load", daemon=True)
             self.worker.start()
@@ -567,6 +575,8 @@ class SyntheticLoad:
         os.close(self.control)
         if self.where == "thread":
             self.worker.join(timeout=30)
+            if self.error is not None or self.worker.is_alive():
+                raise SystemExit(f"profile --ab-pause {self.where}: the load thread failed: {self.error or 'still running'}")
             return self.cpu_s
         _, status, usage = os.wait4(self.child.pid, 0)
         self.child.returncode = os.waitstatus_to_exitcode(status)
@@ -910,7 +920,8 @@ def setup_note(r: dict) -> str:
         out += (f"; the load: {load['mb_s']:g} MB/s in the on blocks on a {load['where']} of its own"
                 f"{', each batch in memory of its own' if load.get('churn') else ''}"
                 f"{f', {h} GIL hand-overs a batch' if (h := load.get('handovers')) else ''}, its CPU "
-                f"{100 * load['cpu_s'] / r['wall_s']:.2f}% of the window")
+                f"{100 * load['cpu_s'] / r['wall_s']:.2f}% of the window"
+                f"{' (its start and imports too)' if load['where'] == 'process' else ''}")
     return out
 
 

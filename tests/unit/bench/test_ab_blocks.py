@@ -449,6 +449,10 @@ def test_the_synthetic_load_writes_only_while_switched_on(profile, tmp_path, mon
     finally:
         cpu_s = load.stop()
     assert cpu_s > 0 and not scratch.exists()
+    if where == "thread":  # a load that fails says so at the end instead of reading as no cost
+        broken = profile.SyntheticLoad(where, str(tmp_path / "missing"), mb_s=200.0)
+        with pytest.raises(SystemExit, match="the load thread failed"):
+            broken.stop()
     batches = held // profile.LOAD_BATCH_BYTES
     assert zero_sleeps.count("kvtrace-bench-load") == handovers * batches
 
@@ -482,5 +486,5 @@ def test_the_load_comparison_switches_the_load_by_block_and_reports_it(profile, 
     report = profile.ab_blocks_report("default", {**r, "wall_s": 10.0, "calls": calls_of(profile, [[10.0] * 4] * 4, 4)})
     assert "a writer-like load in a process of its own / the load held" in report
     assert ("the load: 33 MB/s in the on blocks on a process of its own, each batch in memory of its own, 12 GIL "
-            "hand-overs a batch, its CPU 2.50% of the window") in report
+            "hand-overs a batch, its CPU 2.50% of the window (its start and imports too)") in report
     assert "TLB shootdowns (all CPUs) 0.75 a step a writer-like load in a process of its own, 0.75 the load held" in report
