@@ -72,8 +72,10 @@ time off the CPU with extra voluntary switches is waiting (for the GIL that a ba
 extra CPU time is work on the thread or the same work made slower (caches shared with other threads).
 
 Two more switches change the writer's work in such an A/B (with `--ab-pause all-writer`), to tell what of
-it costs: `--skip-kv-writes file|all|direct` leaves the KV record batches out of the shards (serialized but
-not written; neither; written past the page cache with O_DIRECT to a scratch file), and `--pin far|near|
+it costs: `--skip-kv-writes file|all|direct|spool` leaves the KV record batches out of the shards
+(serialized but not written; neither; written past the page cache with O_DIRECT to a scratch file; or
+each drain's records written by the drain's own thread as one raw frame, never reaching the writer, whose
+cost `--ab-pause all-threads` reads), and `--pin far|near|
 engine` pins the engine thread to one CPU and kvtrace's threads to other cores, to its core's other
 hardware thread, or nowhere.
 `--ab-pause load-thread|load-process` switches a load shaped like the writer's KV record work instead
@@ -106,6 +108,7 @@ import pstats
 import select
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -433,12 +436,12 @@ def pin_threads(placement: str) -> dict:
             "kvtrace_cpus": cpus if placement != "engine" else None, "threads": sorted(t.name for t in threads)}
 
 
-SKIP_KV_WRITES = ("file", "all", "direct")
+SKIP_KV_WRITES = ("file", "all", "direct", "spool")
 DIRECT_BYTES = 64 << 20  # the `direct` writes' staging buffer (page-aligned; a batch is at most ~4 MB)
 DIRECT_FILE_BYTES = 1 << 30  # the `direct` scratch file starts again from its beginning past this
 
 
-def skip_kv_writes(recorder, what: str) -> None:
+def skip_kv_writes(recorder, what: str, ring=None) -> None:
     """`--skip-kv-writes`: the shard writer builds the KV record batches as usual but does not write them
     to their shard (file: serialized into their IPC messages, not written; all: not serialized either;
     direct: serialized, copied into page-aligned memory and written with O_DIRECT, past the page cache, to a
@@ -448,6 +451,12 @@ def skip_kv_writes(recorder, what: str) -> None:
     from kvtrace.format.shards import _batch_message
 
     writer = recorder.writers["kv_access_records"]
+    if what == "spool":
+        if ring is None or not hasattr(ring, "_append_records"):
+            raise SystemExit("profile --skip-kv-writes spool: no KV ring in this process (run a variant that records "
+                             "KV accesses)")
+        ring._append_records = KvSpool(writer.directory / "kv_access_records.spool.scratch", recorder).append
+        return
     if what == "file":
         writer.write = lambda batch: _batch_message(batch).size
     elif what == "all":
@@ -583,6 +592,36 @@ class SyntheticLoad:
         if self.child.returncode:
             raise SystemExit(f"profile --ab-pause {self.where}: the load process failed (exit {self.child.returncode})")
         return usage.ru_utime + usage.ru_stime
+
+
+class KvSpool:
+    """`--skip-kv-writes spool`: each drain's block records written by the drain's own thread as it hands
+    them over, as one frame (a small header: the count, the clock mapping, the layer copies; then the
+    records as the ring stores them) with one `writev`, to a scratch file beside the shards, instead of
+    going to the shard writer's flush (Arrow batches built and serialized there, ~12 GIL hand-overs a
+    batch). What a shard layout written so would cost, read by an A/B with both threads' work in the on
+    blocks (`--ab-pause all-threads`). The rows are counted as written; the session lacks them."""
+
+    HEADER = struct.Struct("<4sQqqdI")  # b"KVRF", records, device ref ns, host ref ns, slope, copies (ints)
+
+    def __init__(self, path: Path, recorder) -> None:
+        self.path, self.recorder = path, recorder
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.offset = 0
+
+    def append(self, recs, clock: tuple[int, int, float], copies: tuple[int, ...] = (), owned: bool = False) -> None:
+        body = memoryview(np.ascontiguousarray(recs)).cast("B")
+        header = self.HEADER.pack(b"KVRF", len(recs), int(clock[0]), int(clock[1]), float(clock[2]), len(copies))
+        parts = [header + struct.pack(f"<{len(copies)}i", *copies), body]
+        if self.offset + len(parts[0]) + len(body) > DIRECT_FILE_BYTES:
+            self.offset = 0  # bounded disk: the scratch file starts again
+        size, done = len(parts[0]) + len(body), os.pwritev(self.fd, parts, self.offset)  # the GIL let go once
+        rest = memoryview(b"".join(parts))[done:] if done < size else None  # a short write: the rest after it
+        while rest:
+            n = os.pwrite(self.fd, rest, self.offset + size - len(rest))
+            rest = rest[n:]
+        self.offset += size
+        self.recorder.rows_written["kv_access_records"] += 1
 
 
 # --ab-calls: vLLM's own methods on the engine thread, each call timed in its block of --ab-blocks. kvtrace's
@@ -757,7 +796,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     if args.skip_kv_writes:
         if current_recorder() is None:
             raise SystemExit("profile --skip-kv-writes: no recorder in this process (run a recorded variant)")
-        skip_kv_writes(current_recorder(), args.skip_kv_writes)
+        skip_kv_writes(current_recorder(), args.skip_kv_writes, ring)
     pinned = pin_threads(args.pin) if args.pin else None
     load = None
     if args.ab_pause in LOADS:
@@ -1178,7 +1217,8 @@ def main() -> None:
     ap.add_argument("--skip-kv-writes", choices=SKIP_KV_WRITES,
                     help="with --ab-blocks: the shard writer does not write the KV record batches to their file (file), "
                     "neither serializes nor writes them (all), or writes them with O_DIRECT to a scratch file (direct); "
-                    "the session lacks them")
+                    "or the drain's thread writes each drain's records as one raw frame to a scratch file and the "
+                    "writer never sees them (spool); the session lacks them")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)

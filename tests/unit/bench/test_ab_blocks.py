@@ -488,3 +488,36 @@ def test_the_load_comparison_switches_the_load_by_block_and_reports_it(profile, 
     assert ("the load: 33 MB/s in the on blocks on a process of its own, each batch in memory of its own, 12 GIL "
             "hand-overs a batch, its CPU 2.50% of the window (its start and imports too)") in report
     assert "TLB shootdowns (all CPUs) 0.75 a step a writer-like load in a process of its own, 0.75 the load held" in report
+
+
+def test_the_kv_spool_writes_each_drain_as_one_frame_from_the_drains_thread(profile, tmp_path):
+    """--skip-kv-writes spool: the ring's hand-over writes a frame (header, layer copies, the records as they
+    are) to a scratch file; the shard writer gets no KV record rows; the rows are counted as written."""
+    import struct
+
+    import numpy as np
+
+    from kvtrace.format.kv_records import REC_DTYPE
+    from kvtrace.record.recorder import Recorder
+
+    rec = Recorder(tmp_path / "s", "test", {"flush_interval_s": 3600})
+    try:
+        ring = types.SimpleNamespace(_append_records=rec.append_kv_records)
+        profile.skip_kv_writes(rec, "spool", ring)
+        recs = np.zeros(1000, REC_DTYPE)
+        recs["block_id"] = np.arange(1000)
+        ring._append_records(recs, (5, 7, 1.5), (1, 0, 2, 0), True)
+        ring._append_records(recs[:10], (5, 7, 1.5), (), True)
+        rec.flush()
+        data = (rec.dir / "kv_access_records.spool.scratch").read_bytes()
+        head = profile.KvSpool.HEADER
+        magic, count, dev_ref, host_ref, slope, ncopies = head.unpack_from(data)
+        assert (magic, count, dev_ref, host_ref, slope, ncopies) == (b"KVRF", 1000, 5, 7, 1.5, 4)  # pairs, flattened
+        assert struct.unpack_from("<4i", data, head.size) == (1, 0, 2, 0) and len(data) == 2 * head.size + 16 + 1010 * 32
+        first = np.frombuffer(data, REC_DTYPE, 1000, head.size + 16)
+        assert (first["block_id"] == np.arange(1000)).all()
+        assert rec.rows_written["kv_access_records"] == 2 and rec.writers["kv_access_records"].bytes_total == 0
+    finally:
+        rec.close()
+    with pytest.raises(SystemExit, match="no KV ring"):
+        profile.skip_kv_writes(rec, "spool", None)
