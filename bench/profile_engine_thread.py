@@ -438,7 +438,16 @@ def pin_threads(placement: str) -> dict:
 
 SKIP_KV_WRITES = ("file", "all", "direct", "spool")
 DIRECT_BYTES = 64 << 20  # the `direct` writes' staging buffer (page-aligned; a batch is at most ~4 MB)
-DIRECT_FILE_BYTES = 1 << 30  # the `direct` scratch file starts again from its beginning past this
+SCRATCH_FILE_BYTES = 1 << 30  # a scratch file (direct, spool, the loads) starts again from its beginning past this
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """All of `data` written at `offset` (pwrite may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        offset += n
+        view = view[n:]
 
 
 def skip_kv_writes(recorder, what: str, ring=None) -> None:
@@ -486,13 +495,10 @@ class DirectWrites:
         if padded > len(self.staging):
             raise OSError(f"{self.path}: a {size}-byte batch is over the {len(self.staging)}-byte staging buffer")
         np.copyto(np.frombuffer(self.staging, np.uint8, size), message)  # the GIL let go, as the shard writer's copies
-        if self.offset + padded > DIRECT_FILE_BYTES:
+        if self.offset + padded > SCRATCH_FILE_BYTES:
             self.offset = 0
-        view = memoryview(self.staging)[:padded]
-        while view:
-            n = os.pwrite(self.fd, view, self.offset)
-            self.offset += n
-            view = view[n:]
+        pwrite_all(self.fd, memoryview(self.staging)[:padded], self.offset)
+        self.offset += padded
         return size
 
 
@@ -504,7 +510,6 @@ class DirectWrites:
 # map, the file table) or with any such work on the machine.
 LOADS = {"load-thread": "thread", "load-process": "process"}
 LOAD_BATCH_BYTES = 3_360_000  # one ~100 ms drain of the 1B default's records
-LOAD_FILE_BYTES = 1 << 30  # the scratch file wraps around here: bounded disk
 LOAD_FLUSH_BATCHES = 20  # --load-churn: batches freed together (a flush of 2 s of drains)
 
 
@@ -536,9 +541,10 @@ def load_loop(control: int, path: str, mb_s: float, churn: bool = False, handove
                 dst = np.empty_like(src)
                 kept.append(dst)
             np.copyto(dst, src)  # the serialization's copy (the GIL let go)
-            if offset + dst.size > LOAD_FILE_BYTES:
+            if offset + dst.size > SCRATCH_FILE_BYTES:
                 offset = 0
-            offset += os.pwrite(fd, dst, offset)
+            pwrite_all(fd, dst, offset)
+            offset += dst.size
             for _ in range(handovers):
                 time.sleep(0)  # lets the GIL go and takes it back
             due = max(due + period_s, time.monotonic() - period_s)  # no burst to catch up after a slow write
@@ -613,13 +619,12 @@ class KvSpool:
         body = memoryview(np.ascontiguousarray(recs)).cast("B")
         header = self.HEADER.pack(b"KVRF", len(recs), int(clock[0]), int(clock[1]), float(clock[2]), len(copies))
         parts = [header + struct.pack(f"<{len(copies)}i", *copies), body]
-        if self.offset + len(parts[0]) + len(body) > DIRECT_FILE_BYTES:
+        size = len(parts[0]) + len(body)
+        if self.offset + size > SCRATCH_FILE_BYTES:
             self.offset = 0  # bounded disk: the scratch file starts again
-        size, done = len(parts[0]) + len(body), os.pwritev(self.fd, parts, self.offset)  # the GIL let go once
-        rest = memoryview(b"".join(parts))[done:] if done < size else None  # a short write: the rest after it
-        while rest:
-            n = os.pwrite(self.fd, rest, self.offset + size - len(rest))
-            rest = rest[n:]
+        done = os.pwritev(self.fd, parts, self.offset)  # the GIL let go once
+        if done < size:  # a short write: the rest after it
+            pwrite_all(self.fd, memoryview(b"".join(parts))[done:], self.offset + done)
         self.offset += size
         self.recorder.rows_written["kv_access_records"] += 1
 
