@@ -44,6 +44,7 @@ from kvtrace.format.kv_records import PackedRecords, PackedTimings, owned_copy, 
 from kvtrace.format.session import PROC_FILE, session_size_bytes, write_json_atomic
 from kvtrace.format.shards import WRITE_POOL, ShardWriter, batch_rows, rows_to_batch
 from kvtrace.record.buffers import row_log
+from kvtrace.record.clocks import clock_pair
 
 # Never deleted by --on-max-size drop-oldest: the record of what was lost, and the clock anchors that
 # align everything else (both tiny).
@@ -234,7 +235,8 @@ class Recorder:
     def add_clock_anchor(self, device_ns: int | None = None, source: str = "host") -> None:
         # Into the table's RowLog where there is one: a list's tuples go through pa.array at the flush,
         # whose first call imports pandas (~0.4 s of CPU on the writer thread, under the GIL at times).
-        self.buffer("clock_anchors").append((time.monotonic_ns(), time.time_ns(), device_ns, source))
+        mono_ns, wall_ns = clock_pair()
+        self.buffer("clock_anchors").append((mono_ns, wall_ns, device_ns, source))
 
     def count_drop(self, table: str, n: int, cause: str) -> None:
         if n <= 0:

@@ -55,6 +55,7 @@ import numpy as np
 
 from kvtrace.probes.kv_access import ring as ring_module
 from kvtrace.probes.kv_access.ring import REC_DTYPE, TIM_DTYPE, KVAccessRing
+from kvtrace.record.clocks import clock_pair
 
 KERNEL_SOURCE = Path(__file__).with_name("cuda_ring_kernels.cu")
 THREADS, WARPS = 256, 8  # must match THREADS in the .cu file
@@ -744,7 +745,7 @@ class CudaKVAccessRing(KVAccessRing):
         torch = self._torch
         best = None
         for _ in range(ANCHOR_TRIES):
-            m0, u0 = time.monotonic_ns(), time.time_ns()
+            m0, u0 = clock_pair()
             with torch.cuda.stream(self._anchor_stream):
                 # CuPy's launch, which lets the GIL go: this runs on the background thread, and a launch
                 # can wait in the driver (40 ms once, beside a prefill-heavy engine on an H100), which with

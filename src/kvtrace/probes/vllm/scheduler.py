@@ -56,6 +56,7 @@ from kvtrace.probes.base import (
     returns_field_of_field,
 )
 from kvtrace.record.buffers import decode_log, positions, step_rows
+from kvtrace.record.clocks import clock_pair
 from kvtrace.record.context import ctx
 
 _now = time.monotonic_ns
@@ -335,11 +336,13 @@ class SchedulerProbe(Probe):
                 if getattr(request, "resumable", False):
                     events.append((t, step, rid, "input", prompt, None))
             else:
-                # vLLM stamps arrival with time.time(); its age now, in wall time, is placed before our
-                # monotonic `t`. An offset taken once at start would drift with the wall clock (NTP
+                # vLLM stamps arrival with time.time(); its age now, in wall time, is placed before a
+                # monotonic time read with it (one pair: a pause between two separate reads would be
+                # counted as age). An offset taken once at start would drift with the wall clock (NTP
                 # slews it), putting arrivals after the rows they precede; a clock stepped back gives 0.
-                age_ns = max(0, _wall_ns() - int(request.arrival_time * 1e9))
-                events.append((t - age_ns, step, rid, "arrival", prompt, None))
+                mono_ns, wall_ns = _clock_pair()
+                age_ns = max(0, wall_ns - int(request.arrival_time * 1e9))
+                events.append((min(t, mono_ns - age_ns), step, rid, "arrival", prompt, None))
                 events.append((t, step, rid, "queued", prompt, None))
                 probe.awaiting_first_token.add(rid)
             if probe.token_rows is not None:  # only when the user asked (--record-tokens)
@@ -372,7 +375,7 @@ class SchedulerProbe(Probe):
 
     def wrapper_env(self) -> dict:
         """The names the Scheduler wrappers' bodies use besides vLLM's parameters."""
-        return {"probe": self, "ctx": ctx, "_now": _now, "_wall_ns": time.time_ns, "num_blocks": _num_blocks, "set_watched": _set_watched}
+        return {"probe": self, "ctx": ctx, "_now": _now, "_clock_pair": clock_pair, "num_blocks": _num_blocks, "set_watched": _set_watched}
 
     def after_update(self, sched: Any, step: int) -> None:
         """The step ends: its row, and the first tokens of the requests whose prefill completed in it."""
