@@ -15,13 +15,19 @@ medians over `--flushes`: the stand-in's voluntary context switches during the f
 without one (each a wait for the GIL), the same rate over the flush's length, the writer thread's switches,
 and the flush's wall time.
 
-    python bench/bench_flush_handovers.py [--records 105000] [--drains 20] [--flushes 5]
+`--kv-to spool` measures the other way of writing the block records: each drain's records written by the
+drain's own thread as one raw frame with one `pwritev` (profile_engine_thread.py's `KvSpool`, the layout
+`--skip-kv-writes spool` prices on a GPU), straight from the drain's memory, the shard writer's flush
+left with the layer timings. The figures then count the 20 frames' writes and that flush together.
+
+    python bench/bench_flush_handovers.py [--records 105000] [--drains 20] [--flushes 5] [--kv-to shards|spool]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import resource
 import statistics
 import sys
@@ -34,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kv_drain import device_records  # noqa: E402
+from profile_engine_thread import KvSpool  # noqa: E402
 
 from kvtrace.format.kv_records import TIM_DTYPE  # noqa: E402
 from kvtrace.record.recorder import Recorder  # noqa: E402
@@ -46,16 +53,21 @@ def switches() -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
 
 
-def fill(rec: Recorder, recs: np.ndarray, drains: int) -> None:
-    """One flush's worth of drains, as the ring's drain thread hands them over (records in memory of their own)."""
+COPIES = (1, 0, 2, 0)
+
+
+def fill(rec: Recorder, recs: np.ndarray, drains: int, kv: bool = True) -> None:
+    """One flush's worth of drains, as the ring's drain thread hands them over (records in memory of their
+    own); `kv=False`: the timings only (the block records go to the spool)."""
     for _ in range(drains):
-        rec.append_kv_records(recs.copy(), CLOCK, (1, 0, 2, 0), owned=True)
+        if kv:
+            rec.append_kv_records(recs.copy(), CLOCK, COPIES, owned=True)
         rec.append_timing_records(np.zeros(TIMINGS_PER_DRAIN, TIM_DTYPE), CLOCK, owned=True)
 
 
-def one_flush(rec: Recorder) -> tuple[list, list]:
+def one_flush(rec: Recorder, spool=None, recs: np.ndarray | None = None, drains: int = 0) -> tuple[list, list]:
     """One flush beside the stand-in: ((phase, its switches, time) at each phase it saw, [(the writer's
-    switches, the flush's seconds)])."""
+    switches, the flush's seconds)]). With a `spool`, `drains` frames of `recs` are written first."""
     phase, marks, stop = [0], [], threading.Event()
 
     def stand_in() -> None:
@@ -84,6 +96,8 @@ def one_flush(rec: Recorder) -> tuple[list, list]:
         phase[0] = 2
         seen(2)
         s0, t0 = switches(), time.perf_counter()
+        for _ in range(drains if spool is not None else 0):
+            spool.append(recs, CLOCK, COPIES)
         rec.flush()
         result.append((switches() - s0, time.perf_counter() - t0))
         phase[0] = 3
@@ -97,17 +111,20 @@ def one_flush(rec: Recorder) -> tuple[list, list]:
     return marks, result
 
 
-def measure(records: int, drains: int, flushes: int) -> dict[str, list[float]]:
+def measure(records: int, drains: int, flushes: int, kv_to: str = "shards") -> dict[str, list[float]]:
+    if kv_to not in ("shards", "spool"):
+        raise ValueError(f"kv_to: {kv_to!r} is neither 'shards' nor 'spool'")
     out: dict[str, list[float]] = {"stand-in waits": [], "stand-in waits, no flush": [], "writer waits": [],
                                    "flush ms": []}
     with tempfile.TemporaryDirectory() as tmp:
         rec = Recorder(tmp, "worker", {"flush_interval_s": 1e9})  # flushed here only
+        spool = KvSpool(Path(tmp) / "kv.spool", rec) if kv_to == "spool" else None
         recs = device_records(records, 30)
         fill(rec, recs, 2)
         rec.flush()  # warm: imports, the first shards
         for _ in range(flushes):
-            fill(rec, recs, drains)
-            marks, result = one_flush(rec)
+            fill(rec, recs, drains, kv=spool is None)
+            marks, result = one_flush(rec, spool, recs, drains)
             at = {p: (s, t) for p, s, t in marks}
             idle = (at[2][0] - at[1][0]) / (at[2][1] - at[1][1])  # waits a second without a flush
             out["stand-in waits"].append(at[3][0] - at[2][0] - idle * (at[3][1] - at[2][1]))
@@ -115,6 +132,9 @@ def measure(records: int, drains: int, flushes: int) -> dict[str, list[float]]:
             out["writer waits"].append(result[0][0])
             out["flush ms"].append(1e3 * result[0][1])
         rec.close()
+        if spool is not None:
+            os.close(spool.fd)
+            out["spool MB"] = [spool.offset / 1e6]
     return out
 
 
@@ -123,9 +143,12 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=105_000, help="block records a drain (1B default, 100 ms)")
     ap.add_argument("--drains", type=int, default=20, help="drains a flush (every 100 ms, flushed every 2 s)")
     ap.add_argument("--flushes", type=int, default=5)
+    ap.add_argument("--kv-to", choices=("shards", "spool"), default="shards",
+                    help="the block records: to the shard writer's flush (as recorded) or as raw frames")
     args = ap.parse_args()
-    out = measure(args.records, args.drains, args.flushes)
-    print(f"{args.drains} drains of {args.records} records and their timings a flush, {args.flushes} flushes (medians): "
+    out = measure(args.records, args.drains, args.flushes, args.kv_to)
+    print(f"{args.drains} drains of {args.records} records and their timings a flush, block records to "
+          f"{args.kv_to}, {args.flushes} flushes (medians): "
           + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in out.items()))
 
 
