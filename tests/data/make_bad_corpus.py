@@ -63,6 +63,10 @@ CASES = [
     ("proc_rows_written_text", "ingest", "field 'rows_written' is"),
     ("kv_records_bad_clock", "ingest", "clock slope outside"),
     ("kv_records_bad_copies", "ingest", "layer_copies is not (layer, source) pairs"),
+    ("kv_frames_cut", "ingest", "runs past the end of the file"),
+    ("kv_frames_not_frames", "ingest", "not a kvtrace frame file"),
+    ("kv_frames_bad_clock", "ingest", "clock slope outside"),
+    ("kv_frames_of_steps", "ingest", "only kv_access_records is written as frames"),
     ("random_bytes.sqlite", "nsys", "not an SQLite database"),
     ("empty.sqlite", "nsys", "empty file"),
     ("not_nsys.sqlite", "nsys", "not an Nsight Systems export"),
@@ -218,6 +222,28 @@ def make_sessions() -> None:
                                                ("kv_records_bad_copies", 1, 32, 1.0, [1, 0, 2])):
         write_shard(session(name, manifest()), "kv_access_records",
                     [[(0, 0, slope, count, bytes(range(nbytes)), copies)]])
+    # The same records as the drains write them (frame files): a closed one cut inside its last frame,
+    # another file under a frame file's name, a frame whose clock no clock has, a frame file of a table
+    # that is never written as frames.
+    import numpy as np
+
+    from kvtrace.format.kv_frames import FrameWriter
+    from kvtrace.format.kv_records import REC_DTYPE
+
+    for name, clock in (("kv_frames_cut", (0, 0, 1.0)), ("kv_frames_not_frames", (0, 0, 1.0)),
+                        ("kv_frames_bad_clock", (0, 0, 1e300)), ("kv_frames_of_steps", (0, 0, 1.0))):
+        pdir = session(name, manifest())
+        w = FrameWriter(pdir, 1 << 30, 1e9)
+        w.write_frame(np.zeros(3, REC_DTYPE), clock)
+        w.write_frame(np.zeros(2, REC_DTYPE), clock)
+        w.close()
+        path = pdir / "kv_access_records.00000.kvframes"
+        if name == "kv_frames_cut":
+            path.write_bytes(path.read_bytes()[:-20])
+        elif name == "kv_frames_not_frames":
+            path.write_bytes(b"PAR1" + bytes(60))
+        elif name == "kv_frames_of_steps":
+            path.rename(pdir / "steps.00000.kvframes")
 
     # Directories where files are expected (a `.keep` inside, as git keeps no empty directories).
     pdir = session("shard_is_directory", manifest())

@@ -147,6 +147,75 @@ def test_truncated_open_shard_never_fails(shard_bytes, tmp_path):
     assert read_all(path, "block_events", True).rows == 3 + 4 + 5
 
 
+@pytest.fixture(scope="module")
+def frame_bytes(tmp_path_factory) -> bytes:
+    """A closed KV record frame file of three drains (a device clock fit, layer copies), written by
+    kvtrace's own writer."""
+    import numpy as np
+
+    from kvtrace.format.kv_frames import FrameWriter
+    from kvtrace.format.kv_records import REC_DTYPE
+
+    d = tmp_path_factory.mktemp("frames")
+    w = FrameWriter(d, 1 << 30, 1e9)
+    for k, (n, clock, copies) in enumerate([(5, (10**12, 10**15, 1.00001), ()), (3, (0, 0, 1.0), (2, 0, 3, 1)),
+                                            (4, (7, 9, 0.99), (1, 0))]):
+        recs = np.zeros(n, REC_DTYPE)
+        recs["step"], recs["ts"] = np.arange(n) + k, np.arange(n, dtype=np.uint64) * 1000 + 10**12
+        recs["block_id"], recs["meta"] = np.arange(n) * 7, np.arange(n, dtype=np.uint32) % 2
+        w.write_frame(recs, clock, copies)
+    w.close()
+    return w.closed_shards[0][0].read_bytes()
+
+
+def read_frames_to_rows(path: Path, is_open: bool) -> tuple[ShardRead, int]:
+    """A frame file read as ingest reads it: its batches expanded into kv_access rows."""
+    from kvtrace.format.shards import loaded_batches
+
+    res, rows = ShardRead(), 0
+    for batch in read_shard(Shard(path, "kv_access_records", is_open), res):
+        rows += sum(b.num_rows for b in loaded_batches("kv_access_records", batch, path))
+    return res, rows
+
+
+@pytest.mark.parametrize("is_open", [False, True], ids=["closed", "open"])
+def test_mutated_frame_file_reads_or_fails_cleanly(frame_bytes, is_open, tmp_path):
+    path = tmp_path / ("kv_access_records.00000.kvframes" + (".partial" if is_open else ""))
+    outcomes = {"read": 0, "error": 0, "cut": 0}
+
+    @fuzz(300)
+    @given(ops=mutations(len(frame_bytes)))
+    def check(ops):
+        path.write_bytes(mutate(frame_bytes, ops))
+        try:
+            res, _ = read_frames_to_rows(path, is_open)
+        except KvtraceError as exc:
+            assert "\n" not in str(exc) and str(path) in str(exc)
+            outcomes["error"] += 1
+            return
+        outcomes["read"] += 1
+        outcomes["cut"] += bool(res.bytes_cut)
+        if res.bytes_cut:
+            assert is_open and res.problems
+
+    check()
+    assert outcomes["error"] + outcomes["read"] >= 300 and outcomes["error"] and outcomes["read"]
+    if not is_open:
+        assert outcomes["cut"] == 0
+
+
+def test_an_open_frame_file_cut_at_any_byte_reads_its_whole_frames(frame_bytes, tmp_path):
+    """A kill can stop a frame file anywhere: every cut reads the frames before it, never fails."""
+    path = tmp_path / "kv_access_records.00000.kvframes.partial"
+    seen = [0]
+    for cut in range(len(frame_bytes) + 1):
+        path.write_bytes(frame_bytes[:cut])
+        res, rows = read_frames_to_rows(path, True)
+        assert res.rows >= seen[-1] and (res.bytes_cut == 0 or res.problems)
+        seen.append(res.rows)
+    assert seen[-1] == 5 + 3 + 4
+
+
 def test_mutated_session_ingests_or_fails_cleanly(shard_bytes, tmp_path):
     """Whole ingests of a session whose shards (closed and open) are mutated together."""
     import json

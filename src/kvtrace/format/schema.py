@@ -20,8 +20,9 @@ import pyarrow as pa
 
 # Bump when a column is removed or changes meaning, or a table is added (older readers refuse shards of
 # tables they do not know); adding a trailing column is compatible (older shards read with nulls).
-SCHEMA_VERSION = 5  # 2: decode rows may come as decode_runs shards; 3: kv_access_records, offload_block_events;
-# 4: kv_access_records.layer_copies; 5: batch_slots rows may come as batch_slot_runs shards
+SCHEMA_VERSION = 6  # 2: decode rows may come as decode_runs shards; 3: kv_access_records, offload_block_events;
+# 4: kv_access_records.layer_copies; 5: batch_slots rows may come as batch_slot_runs shards;
+# 6: kv_access_records come as frame files (format/kv_frames.py), which older readers would skip
 # Readers accept shards and manifests from this version up to SCHEMA_VERSION.
 OLDEST_READABLE_SCHEMA_VERSION = 1
 

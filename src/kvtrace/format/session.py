@@ -6,6 +6,7 @@
         proc.json                that process's probes, counters and status (rewritten every flush)
         <table>.<seq>.arrows     closed shards (Arrow IPC streams)
         <table>.<seq>.arrows.partial   the shard being written (readable up to its last batch)
+        kv_access_records.<seq>.kvframes[.partial]   the KV access rings' drains (format/kv_frames.py)
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ import pyarrow.compute as pc
 
 from kvtrace.errors import KvtraceError
 from kvtrace.format import schema
+from kvtrace.format.kv_frames import FRAME_SUFFIX, read_frames
+from kvtrace.format.kv_frames import TABLE as FRAMES_TABLE
 from kvtrace.format.kv_records import expand_kv_records, iter_kv_records
 from kvtrace.format.session import read_proc, shown
 
@@ -190,17 +192,44 @@ def list_shards(proc_dir: Path, status: str | None = None) -> list[Shard]:
         status = read_proc(proc_dir).get("status")
     names = set(os.listdir(proc_dir))
     for name in sorted(names):
-        is_open = name.endswith(SHARD_SUFFIX + OPEN_SUFFIX)
-        if not (is_open or name.endswith(SHARD_SUFFIX)):
+        is_open = name.endswith((SHARD_SUFFIX + OPEN_SUFFIX, FRAME_SUFFIX + OPEN_SUFFIX))
+        if not (is_open or name.endswith((SHARD_SUFFIX, FRAME_SUFFIX))):
             continue
         if is_open and name[: -len(OPEN_SUFFIX)] in names:
             continue  # the closed shard of the same name has these rows (and says so when read)
         table = name.split(".", 1)[0]
         if table not in schema.SHARD_TABLES:
             raise KvtraceError(f"{proc_dir / name}: shard of unknown table {table!r}")
+        if FRAME_SUFFIX in name and table != FRAMES_TABLE:
+            raise KvtraceError(f"{proc_dir / name}: a frame file of {table!r} (only {FRAMES_TABLE} is written "
+                               f"as frames)")
         shards.append(Shard(proc_dir / name, table, is_open, status,
                             beside_partial=not is_open and name + OPEN_SUFFIX in names))
     return shards
+
+
+def _read_frame_file(shard: Shard, size: int, result: ShardRead) -> Iterator[pa.RecordBatch]:
+    """A frame file's batches (kv_frames.py), with an open one's problems worded as a shard's."""
+    path = shard.path
+    if size == 0:
+        if not shard.open:
+            raise KvtraceError(f"{path}: empty frame file")
+        if shard.proc_status != "flushed":  # created, killed before the header was written
+            result.problems.append(f"{path}: not closed and empty (its process stopped before writing to it)")
+        return
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        _take_closed(shard)
+        yield from read_shard(shard, result)
+        return
+    except OSError as exc:
+        raise KvtraceError(f"{path}: cannot read frame file ({exc.strerror or exc})") from None
+    with f:
+        ended = yield from read_frames(f, size, path, shard.open, result)
+    if shard.open and not ended and not result.bytes_cut and shard.proc_status != "flushed":
+        result.problems.append(f"{path}: not closed (its process was killed or is still running); read to its "
+                               f"last whole frame, {result.rows} records")
 
 
 def _take_closed(shard: Shard) -> None:
@@ -229,6 +258,9 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
         raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
     if not path.is_file():
         raise KvtraceError(f"{path}: not a file (expected an Arrow IPC shard)")
+    if FRAME_SUFFIX in path.name:
+        yield from _read_frame_file(shard, size, result)
+        return
     if size == 0:
         if shard.open:  # created, killed before the header was flushed
             if shard.proc_status != "flushed":

@@ -13,7 +13,9 @@ outlives its append (nothing for the garbage collector to walk, nothing to conve
 native module is not built it is a list of the tuples. A daemon thread wakes every `flush_interval_s`
 (default 2 s, `FLUSH_INTERVAL_S`), takes the rows appended so far as Arrow RecordBatches and appends them to the
 process's shard files (Arrow IPC streams, one file per table, rotated by size and age). A stream stays readable up to its
-last complete batch if the process is killed, because every batch goes out in one `write()`.
+last complete batch if the process is killed, because every batch goes out in one `write()`. A KV
+access ring's drained block records are the exception: `append_kv_records` writes them on the drain's
+thread, one frame a drain, to frame files (format/kv_frames.py) that rotate and close the same way.
 
 Nothing is lost silently: rows that cannot be written (disk full, read-only directory, size cap, a
 backlog past `max_pending_rows`) are counted per table and cause, written to the `drops` table and to
@@ -40,7 +42,9 @@ import numpy as np
 import pyarrow as pa
 
 from kvtrace.format import schema
-from kvtrace.format.kv_records import PackedRecords, PackedTimings, owned_copy, packed_batches, timing_columns
+from kvtrace.format.kv_frames import TABLE as FRAMES_TABLE
+from kvtrace.format.kv_frames import FrameWriter
+from kvtrace.format.kv_records import PackedTimings, owned_copy, timing_columns
 from kvtrace.format.session import PROC_FILE, session_size_bytes, write_json_atomic
 from kvtrace.format.shards import WRITE_POOL, ShardWriter, batch_rows, rows_to_batch
 from kvtrace.record.buffers import row_log
@@ -118,7 +122,9 @@ class Recorder:
         # this is), so the folder is named by host and pid and the role lives in proc.json.
         self.dir = self.session_dir / "procs" / f"{socket.gethostname()}-{self.pid}"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.writers = {t: ShardWriter(self.dir, t, self.rotate_bytes, self.rotate_s) for t in schema.SHARD_TABLES}
+        # kv_access_records: frame files, written by the drains' threads (format/kv_frames.py)
+        self.writers = {t: FrameWriter(self.dir, self.rotate_bytes, self.rotate_s) if t == FRAMES_TABLE
+                        else ShardWriter(self.dir, t, self.rotate_bytes, self.rotate_s) for t in schema.SHARD_TABLES}
         self.rows_written = {t: 0 for t in schema.SHARD_TABLES}
         self.dropped: dict[str, dict[str, int]] = {}
         self.info: dict[str, Any] = {"probes": {}, "engine_config": {}}
@@ -217,13 +223,25 @@ class Recorder:
 
     def append_kv_records(self, recs: Any, clock: tuple[int, int, float], copies: tuple[int, ...] = (),
                           owned: bool = False) -> None:
-        """A KV access ring's drained records, packed as they are into one `kv_access_records` row
-        (decoded by ingest, format/kv_records.py): a copy and a few small arrays, whatever the count.
-        `copies`: (layer, source layer) pairs, flattened, of the layers recorded as their source.
-        `owned`: the records are in memory of their own, kept as they are (no copy). Held as they are
-        until the flush makes them shard rows (`packed_batches`)."""
-        self.buffers["kv_access_records"].append(
-            PackedRecords(recs if owned else owned_copy(recs), clock, tuple(copies), len(recs)))
+        """A KV access ring's drained records (REC_DTYPE), written as they are, on the caller's thread
+        (the ring's drain), as one frame of this process's `kv_access_records` frame files
+        (format/kv_frames.py; decoded by ingest, format/kv_records.py) before this returns, so the
+        memory may be reused at once (`owned` is not needed). One `writev` that lets the GIL go once,
+        where the shard writer's Arrow batches let it go and took it back ~10 times a batch.
+        `copies`: (layer, source layer) pairs, flattened, of the layers recorded as their source."""
+        n = len(recs)
+        if self.stopped_reason is not None:
+            self.count_drop("kv_access_records", n, self.stopped_reason)
+            return
+        writer = self.writers["kv_access_records"]
+        try:
+            writer.write_frame(recs, clock, tuple(copies))
+            self.rows_written["kv_access_records"] = writer.frames  # counted under the writer's lock
+            if self._closed:  # a drain after the recorder closed: its file sealed at once
+                writer.close()
+        except OSError as exc:
+            self._stop_writing("writer-error", f"cannot write KV record frames in {self.dir}: {exc}")
+            self.count_drop("kv_access_records", n, "writer-error")
 
     def append_timing_records(self, recs: Any, clock: tuple[int, int, float], owned: bool = False) -> None:
         """A KV access ring's drained layer timing records (format/kv_records.py TIM_DTYPE), held as they
@@ -407,6 +425,7 @@ class Recorder:
 
     def _write_proc_file(self, status: str) -> None:
         self._proc_written_at, self._proc_dirty = time.monotonic(), False
+        self.rows_written[FRAMES_TABLE] = self.writers[FRAMES_TABLE].frames  # the drains' threads write them
         doc = {
             "schema_version": schema.SCHEMA_VERSION,
             "role": self.role,
@@ -454,7 +473,7 @@ def _row_count(table: str, rows: list) -> int:
     """Rows that `rows` (batches and tuples) stand for, as drops count them (shards.batch_rows): a
     drain's packed records as its records."""
     return sum(batch_rows(table, r) if isinstance(r, pa.RecordBatch)
-               else r.count if isinstance(r, (PackedRecords, PackedTimings, PendingColumns)) else 1 for r in rows)
+               else r.count if isinstance(r, (PackedTimings, PendingColumns)) else 1 for r in rows)
 
 
 class PendingColumns(NamedTuple):
@@ -513,8 +532,6 @@ def _batches(table: str, rows: list, max_rows: int = 1 << 20) -> list[pa.RecordB
     Consecutive batches that fit in `max_rows` together are joined into one: the logs hand a table's rows
     over several times between two flushes, and each batch written costs an IPC message (its metadata
     per column) and a write() of its own."""
-    if table == "kv_access_records":  # a drain's records a row; batches of them joined only once, here
-        return packed_batches(rows, schema.arrow_schema(table))
     out: list[pa.RecordBatch] = []
     for kind, group in groupby(rows, key=_row_kind):  # consecutive rows of one kind, in order
         group = list(group)

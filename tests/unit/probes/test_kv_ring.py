@@ -236,12 +236,12 @@ def test_timestamps_are_host_monotonic():
 
 
 def test_rows_fit_the_schema(tmp_path):
-    """Rows go through the real recorder into Arrow shards with kvtrace.format.schema types: block
-    records packed (kv_access_records), which ingest's expansion turns into exactly the rows the ring
-    decodes for a recorder that keeps rows in memory, and timing records as they are, which the flush
-    decodes into exactly those rows too."""
+    """Rows go through the real recorder with kvtrace.format.schema types: block records packed, written
+    by the drain as frames that read as kv_access_records rows, which ingest's expansion turns into
+    exactly the rows the ring decodes for a recorder that keeps rows in memory, and timing records as
+    they are, which the flush decodes into exactly those rows too."""
     from kvtrace.format import schema
-    from kvtrace.format.shards import loaded_batch
+    from kvtrace.format.shards import ShardRead, list_shards, loaded_batch, read_shard
     from kvtrace.record.recorder import Recorder, _batches
 
     meta = make_metadata(random.Random(11))
@@ -266,10 +266,13 @@ def test_rows_fit_the_schema(tmp_path):
         t1 = time.monotonic_ns()
         assert rec._take("kv_access") == []  # block records go packed
         for table in ("kv_access_records", "layer_timings"):
-            # row tuples, whole RecordBatches (append_columns, a RowLog's) or a drain's packed records,
-            # as the writer makes them into shard batches
-            held = rec._take(table)
-            rows = _batches(table, held)
+            if table == "kv_access_records":  # written by the drains: read from their frame file
+                assert rec._take(table) == []
+                rows = [b for shard in list_shards(rec.dir, "running") if shard.table == table
+                        for b in read_shard(shard, ShardRead())]
+            else:  # row tuples, whole RecordBatches or a drain's packed timings, as the writer makes batches of them
+                held = rec._take(table)
+                rows = _batches(table, held)
             assert rows and all(b.schema.equals(schema.arrow_schema(table)) for b in rows)
             if table == "kv_access_records":
                 expanded = [loaded_batch(table, b).to_pylist() for b in rows]
