@@ -15,19 +15,19 @@ medians over `--flushes`: the stand-in's voluntary context switches during the f
 without one (each a wait for the GIL), the same rate over the flush's length, the writer thread's switches,
 and the flush's wall time.
 
-`--kv-to spool` measures the other way of writing the block records: each drain's records written by the
-drain's own thread as one raw frame with one `pwritev` (profile_engine_thread.py's `KvSpool`, the layout
-`--skip-kv-writes spool` prices on a GPU), straight from the drain's memory, the shard writer's flush
-left with the layer timings. The figures then count the 20 frames' writes and that flush together.
+`--kv-to frames` (the default) writes the block records as kvtrace does: each drain's records written by
+the drain's thread as one frame with one `writev` (Recorder.append_kv_records, format/kv_frames.py), the
+shard writer's flush left with the layer timings; `--kv-to shards` the way kvtrace wrote them before:
+the drains held until the flush, which makes them Arrow batches (kv_records.packed_batches) and writes
+them to an Arrow shard. Either way the figures count the 20 drains' records written and the flush.
 
-    python bench/bench_flush_handovers.py [--records 105000] [--drains 20] [--flushes 5] [--kv-to shards|spool]
+    python bench/bench_flush_handovers.py [--records 105000] [--drains 20] [--flushes 5] [--kv-to frames|shards]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import resource
 import statistics
 import sys
@@ -40,9 +40,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kv_drain import device_records  # noqa: E402
-from profile_engine_thread import KvSpool  # noqa: E402
 
-from kvtrace.format.kv_records import TIM_DTYPE  # noqa: E402
+from kvtrace.format import schema  # noqa: E402
+from kvtrace.format.kv_records import TIM_DTYPE, PackedRecords, packed_batches  # noqa: E402
+from kvtrace.format.shards import ShardWriter  # noqa: E402
 from kvtrace.record.recorder import Recorder  # noqa: E402
 
 CLOCK = (0, 0, 1.0)
@@ -54,20 +55,39 @@ def switches() -> int:
 
 
 COPIES = (1, 0, 2, 0)
+KV_TO = ("frames", "shards")
 
 
-def fill(rec: Recorder, recs: np.ndarray, drains: int, kv: bool = True) -> None:
-    """One flush's worth of drains, as the ring's drain thread hands them over (records in memory of their
-    own); `kv=False`: the timings only (the block records go to the spool)."""
+class HeldForShards:
+    """`--kv-to shards`: drains held as the recorder held them (a copy each) until the flush makes them
+    `kv_access_records` Arrow batches and writes them to a shard of their own."""
+
+    def __init__(self, directory: Path) -> None:
+        self.held: list[PackedRecords] = []
+        self.writer = ShardWriter(directory, "kv_access_records", 1 << 40, 1e9)
+
+    def hold(self, recs: np.ndarray) -> None:
+        self.held.append(PackedRecords(recs.copy(), CLOCK, COPIES, len(recs)))
+
+    def flush(self) -> None:
+        held, self.held = self.held, []
+        for batch in packed_batches(held, schema.arrow_schema("kv_access_records")):
+            self.writer.write(batch)
+
+
+def fill(rec: Recorder, drains: int, recs: np.ndarray | None = None, shards: HeldForShards | None = None) -> None:
+    """One flush's worth of drains' timing records, as the ring's drain thread hands them over (held until
+    the flush); with `shards`, the drains' block records `recs` held for it too."""
     for _ in range(drains):
-        if kv:
-            rec.append_kv_records(recs.copy(), CLOCK, COPIES, owned=True)
+        if shards is not None:
+            shards.hold(recs)
         rec.append_timing_records(np.zeros(TIMINGS_PER_DRAIN, TIM_DTYPE), CLOCK, owned=True)
 
 
-def one_flush(rec: Recorder, spool=None, recs: np.ndarray | None = None, drains: int = 0) -> tuple[list, list]:
-    """One flush beside the stand-in: ((phase, its switches, time) at each phase it saw, [(the writer's
-    switches, the flush's seconds)]). With a `spool`, `drains` frames of `recs` are written first."""
+def one_flush(rec: Recorder, recs: np.ndarray, drains: int, shards: HeldForShards | None) -> tuple[list, list]:
+    """One flush beside the stand-in, with `drains` drains' block records `recs` written (as frames, or with
+    `shards` by the flush): ((phase, its switches, time) at each phase it saw, [(the writer's switches,
+    the flush's seconds)])."""
     phase, marks, stop = [0], [], threading.Event()
 
     def stand_in() -> None:
@@ -96,8 +116,11 @@ def one_flush(rec: Recorder, spool=None, recs: np.ndarray | None = None, drains:
         phase[0] = 2
         seen(2)
         s0, t0 = switches(), time.perf_counter()
-        for _ in range(drains if spool is not None else 0):
-            spool.append(recs, CLOCK, COPIES)
+        if shards is None:
+            for _ in range(drains):
+                rec.append_kv_records(recs, CLOCK, COPIES)
+        else:
+            shards.flush()
         rec.flush()
         result.append((switches() - s0, time.perf_counter() - t0))
         phase[0] = 3
@@ -111,20 +134,21 @@ def one_flush(rec: Recorder, spool=None, recs: np.ndarray | None = None, drains:
     return marks, result
 
 
-def measure(records: int, drains: int, flushes: int, kv_to: str = "shards") -> dict[str, list[float]]:
-    if kv_to not in ("shards", "spool"):
-        raise ValueError(f"kv_to: {kv_to!r} is neither 'shards' nor 'spool'")
+def measure(records: int, drains: int, flushes: int, kv_to: str = "frames") -> dict[str, list[float]]:
+    if kv_to not in KV_TO:
+        raise ValueError(f"kv_to: {kv_to!r} is not one of {', '.join(KV_TO)}")
     out: dict[str, list[float]] = {"stand-in waits": [], "stand-in waits, no flush": [], "writer waits": [],
                                    "flush ms": []}
     with tempfile.TemporaryDirectory() as tmp:
         rec = Recorder(tmp, "worker", {"flush_interval_s": 1e9})  # flushed here only
-        spool = KvSpool(Path(tmp) / "kv.spool", rec) if kv_to == "spool" else None
+        shards = HeldForShards(rec.dir) if kv_to == "shards" else None
         recs = device_records(records, 30)
-        fill(rec, recs, 2)
-        rec.flush()  # warm: imports, the first shards
+        for _ in range(2):  # warm: imports, the first files
+            fill(rec, 2, recs, shards)
+            one_flush(rec, recs, 2, shards)
         for _ in range(flushes):
-            fill(rec, recs, drains, kv=spool is None)
-            marks, result = one_flush(rec, spool, recs, drains)
+            fill(rec, drains, recs, shards)
+            marks, result = one_flush(rec, recs, drains, shards)
             at = {p: (s, t) for p, s, t in marks}
             idle = (at[2][0] - at[1][0]) / (at[2][1] - at[1][1])  # waits a second without a flush
             out["stand-in waits"].append(at[3][0] - at[2][0] - idle * (at[3][1] - at[2][1]))
@@ -132,9 +156,9 @@ def measure(records: int, drains: int, flushes: int, kv_to: str = "shards") -> d
             out["writer waits"].append(result[0][0])
             out["flush ms"].append(1e3 * result[0][1])
         rec.close()
-        if spool is not None:
-            os.close(spool.fd)
-            out["spool MB"] = [spool.offset / 1e6]
+        if shards is not None:
+            shards.writer.close()
+        out["KV MB written"] = [sum(p.stat().st_size for p in Path(rec.dir).glob("kv_access_records.*")) / 1e6]
     return out
 
 
@@ -143,8 +167,9 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=105_000, help="block records a drain (1B default, 100 ms)")
     ap.add_argument("--drains", type=int, default=20, help="drains a flush (every 100 ms, flushed every 2 s)")
     ap.add_argument("--flushes", type=int, default=5)
-    ap.add_argument("--kv-to", choices=("shards", "spool"), default="shards",
-                    help="the block records: to the shard writer's flush (as recorded) or as raw frames")
+    ap.add_argument("--kv-to", choices=KV_TO, default="frames",
+                    help="the block records: as frames by the drain's thread (as recorded) or to an Arrow shard by "
+                    "the flush (as kvtrace wrote them before)")
     args = ap.parse_args()
     out = measure(args.records, args.drains, args.flushes, args.kv_to)
     print(f"{args.drains} drains of {args.records} records and their timings a flush, block records to "

@@ -1,24 +1,19 @@
 """Host CPU a KV access ring's drain costs per step, decoded in the recording process vs packed (issue 33).
 
 A step of a small model on a GPU at the default granularity produces ~10,000 block records (one layer's
-block lists for 256 sequences). The drain thread hands them to the recorder, whose writer thread puts them
-in shards; both run in vLLM's process, beside the engine's thread, under the same GIL. This times both
-parts on this machine with the real recorder writing real shards, for the two ways the records can go:
+block lists for 256 sequences). The drain thread hands them to the recorder; both it and the recorder's
+writer thread run in vLLM's process, beside the engine's thread, under the same GIL. This times both
+threads' parts on this machine with the real recorder writing real files, for the two ways the records
+can go:
 
 - decoded: eight NumPy columns per drain (what a ring gives a recorder that keeps rows in memory), joined
-  and written as `kv_access` batches;
-- packed: the drain's records as they are, one `kv_access_records` row (what a ring gives the shard
-  recorder; ingest decodes them).
+  and written by the flush as `kv_access` batches;
+- packed: the drain's records as they are, written by the drain's thread as one frame
+  (`kv_access_records` frame files, format/kv_frames.py; ingest decodes them).
 
 Both are run alternately in one process, and the ratio of their medians is printed.
 
     python bench/bench_kv_drain.py [--records 10000] [--steps 200] [--rounds 5]
-
-`--batch-mb 64,4` compares instead the packed path's batch sizes (`kv_records.BATCH_BYTES`), alternating
-in one process: the writer's CPU for a flush and the minor page faults it takes (a buffer larger than
-glibc's largest dynamic mmap threshold, 32 MB, is mapped and faulted in at each flush, and unmapped):
-
-    python bench/bench_kv_drain.py --records 105000 --steps 20 --rounds 5 --batch-mb 64,4   # a 1B model's 2 s
 """
 
 from __future__ import annotations
@@ -31,7 +26,6 @@ import time
 
 import numpy as np
 
-from kvtrace.format import kv_records
 from kvtrace.probes.kv_access.ring import REC_DTYPE, KVAccessRing, set_laps
 from kvtrace.record.recorder import Recorder
 
@@ -71,32 +65,12 @@ def one_round(packed: bool, n: int, steps: int) -> tuple[float, float, int]:
     return 1e3 * (c1 - c0) / steps, 1e3 * (c2 - c1) / steps, faults
 
 
-def compare_batch_sizes(args) -> None:
-    """The packed path with each of `--batch-mb`'s batch sizes, alternating."""
-    sizes = [int(float(mb) * (1 << 20)) for mb in args.batch_mb.split(",")]
-    got: dict[int, list[tuple[float, float, int]]] = {size: [] for size in sizes}
-    default = kv_records.BATCH_BYTES
-    for r in range(args.rounds):
-        for size in (sizes if r % 2 == 0 else sizes[::-1]):
-            kv_records.BATCH_BYTES = size
-            got[size].append(one_round(True, args.records, args.steps))
-    kv_records.BATCH_BYTES = default
-    print(f"{args.records} records per drain, {args.steps} drains per flush, {args.rounds} rounds (medians)")
-    for size, rows in got.items():
-        flush = statistics.median(f * args.steps for _, f, _ in rows)
-        faults = statistics.median(p for _, _, p in rows)
-        print(f"  batches of at most {size / (1 << 20):g} MB: flush {flush:.1f} ms of CPU, {faults:,.0f} minor page faults")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=10_000, help="records per drain (per step)")
     ap.add_argument("--steps", type=int, default=200, help="drains per round (one flush after them)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--batch-mb", help="compare these batch sizes of the packed path instead (MB, comma-separated)")
     args = ap.parse_args()
-    if args.batch_mb:
-        return compare_batch_sizes(args)
     got: dict[bool, list[tuple[float, float, int]]] = {False: [], True: []}
     for r in range(args.rounds):
         for packed in ((False, True) if r % 2 == 0 else (True, False)):

@@ -19,11 +19,8 @@
 #   AB_CALLS=1 AB_PAUSE=all-writer PIN=far VARIANTS=default REPS=45 bash bench/gpu_overhead.sh ab   # the engine
 #                                                   # thread on one CPU, kvtrace's threads on other cores (PIN=near: on
 #                                                   # its core's other hardware thread; engine: only the engine pinned)
-#   AB_CALLS=1 AB_PAUSE=all-writer SKIP_KV_WRITES=file ... bash bench/gpu_overhead.sh ab   # the writer's KV record
-#                                                   # batches serialized, not written (all: not serialized either;
-#                                                   # direct: written with O_DIRECT, past the page cache, to a scratch file;
-#                                                   # spool: each drain written by the drain's thread as one raw frame,
-#                                                   # never the writer's: read it with AB_PAUSE=all-threads)
+#   AB_CALLS=1 AB_PAUSE=all-threads SKIP_KV_WRITES=all ... bash bench/gpu_overhead.sh ab   # the drains' KV record
+#                                                   # frames built, not written (against the same without it)
 #   AB_CALLS=1 AB_PAUSE=load-process VARIANTS=default REPS=45 bash bench/gpu_overhead.sh ab   # a writer-like load
 #                                                   # (copies and page-cache writes, LOAD_MB_S, default 33) in another
 #                                                   # process by blocks, kvtrace recording in both (load-thread: on a

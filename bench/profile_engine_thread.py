@@ -71,13 +71,11 @@ the engine thread's own clock and context switches around each step (`StepUsage`
 time off the CPU with extra voluntary switches is waiting (for the GIL that a background thread holds),
 extra CPU time is work on the thread or the same work made slower (caches shared with other threads).
 
-Two more switches change the writer's work in such an A/B (with `--ab-pause all-writer`), to tell what of
-it costs: `--skip-kv-writes file|all|direct|spool` leaves the KV record batches out of the shards
-(serialized but not written; neither; written past the page cache with O_DIRECT to a scratch file; or
-each drain's records written by the drain's own thread as one raw frame, never reaching the writer, whose
-cost `--ab-pause all-threads` reads), and `--pin far|near|
-engine` pins the engine thread to one CPU and kvtrace's threads to other cores, to its core's other
-hardware thread, or nowhere.
+Two more switches change kvtrace's background work in such an A/B, to tell what of it costs:
+`--skip-kv-writes all` builds the drains' KV record frames but does not write them (read with
+`--ab-pause all-threads`, which counts the drain thread's work), and `--pin far|near|engine` pins the
+engine thread to one CPU and kvtrace's threads to other cores, to its core's other hardware thread, or
+nowhere.
 `--ab-pause load-thread|load-process` switches a load shaped like the writer's KV record work instead
 (copies of 3.36 MB and their write() into the page cache, `--load-mb-s`), on a thread of the engine's
 process or in a process of its own, kvtrace recording the same in both kinds of block: whether that work
@@ -102,13 +100,11 @@ import argparse
 import cProfile
 import io
 import json
-import mmap
 import os
 import pstats
 import select
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -436,9 +432,8 @@ def pin_threads(placement: str) -> dict:
             "kvtrace_cpus": cpus if placement != "engine" else None, "threads": sorted(t.name for t in threads)}
 
 
-SKIP_KV_WRITES = ("file", "all", "direct", "spool")
-DIRECT_BYTES = 64 << 20  # the `direct` writes' staging buffer (page-aligned; a batch is at most ~4 MB)
-SCRATCH_FILE_BYTES = 1 << 30  # a scratch file (direct, spool, the loads) starts again from its beginning past this
+SKIP_KV_WRITES = ("all",)
+SCRATCH_FILE_BYTES = 1 << 30  # a load's scratch file starts again from its beginning past this
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:
@@ -450,56 +445,15 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         view = view[n:]
 
 
-def skip_kv_writes(recorder, what: str, ring=None) -> None:
-    """`--skip-kv-writes`: the shard writer builds the KV record batches as usual but does not write them
-    to their shard (file: serialized into their IPC messages, not written; all: not serialized either;
-    direct: serialized, copied into page-aligned memory and written with O_DIRECT, past the page cache, to a
-    scratch file beside the shards), so that an A/B with the writer's work (all-writer) tells what those
-    bytes, and the page cache's part in them, cost the engine thread. The rows are counted as written; the
-    session then lacks them (a benchmark's session is thrown away)."""
-    from kvtrace.format.shards import _batch_message
-
+def skip_kv_writes(recorder, what: str) -> None:
+    """`--skip-kv-writes all`: the drains' KV block records are not written to their frame files (the
+    frame built, not written), so that an A/B with the drain thread's work in it (all-threads) tells what
+    writing them costs the engine thread. The rows are counted as written; the session then lacks them (a
+    benchmark's session is thrown away)."""
+    if what != "all":
+        raise SystemExit(f"profile --skip-kv-writes: {what!r} is not one of {', '.join(SKIP_KV_WRITES)}")
     writer = recorder.writers["kv_access_records"]
-    if what == "spool":
-        if ring is None or not hasattr(ring, "_append_records"):
-            raise SystemExit("profile --skip-kv-writes spool: no KV ring in this process (run a variant that records "
-                             "KV accesses)")
-        ring._append_records = KvSpool(writer.directory / "kv_access_records.spool.scratch", recorder).append
-        return
-    if what == "file":
-        writer.write = lambda batch: _batch_message(batch).size
-    elif what == "all":
-        writer.write = lambda batch: 0
-    else:
-        writer.write = DirectWrites(writer.directory / "kv_access_records.direct.scratch").write
-
-
-class DirectWrites:
-    """Batches' IPC messages written with O_DIRECT (the DMA reads them from this process's memory: no copy
-    into the page cache, the kernel's work a flush ~12x less on the CPU machine), each padded to whole
-    pages, into a scratch file that is not a shard (`--skip-kv-writes direct`)."""
-
-    def __init__(self, path: Path) -> None:
-        from kvtrace.format.shards import _batch_message
-
-        self.message = _batch_message  # the shard writer's own serialization
-        self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-        self.staging = mmap.mmap(-1, DIRECT_BYTES)  # page-aligned, as O_DIRECT needs
-        self.offset = 0
-
-    def write(self, batch) -> int:
-        message = np.frombuffer(self.message(batch), np.uint8)
-        size = message.size
-        padded = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-        if padded > len(self.staging):
-            raise OSError(f"{self.path}: a {size}-byte batch is over the {len(self.staging)}-byte staging buffer")
-        np.copyto(np.frombuffer(self.staging, np.uint8, size), message)  # the GIL let go, as the shard writer's copies
-        if self.offset + padded > SCRATCH_FILE_BYTES:
-            self.offset = 0
-        pwrite_all(self.fd, memoryview(self.staging)[:padded], self.offset)
-        self.offset += padded
-        return size
+    writer._write_all = lambda parts: None
 
 
 # --ab-pause load-thread / load-process: a load shaped like the shard writer's KV record work (a copy of each
@@ -598,35 +552,6 @@ class SyntheticLoad:
         if self.child.returncode:
             raise SystemExit(f"profile --ab-pause {self.where}: the load process failed (exit {self.child.returncode})")
         return usage.ru_utime + usage.ru_stime
-
-
-class KvSpool:
-    """`--skip-kv-writes spool`: each drain's block records written by the drain's own thread as it hands
-    them over, as one frame (a small header: the count, the clock mapping, the layer copies; then the
-    records as the ring stores them) with one `writev`, to a scratch file beside the shards, instead of
-    going to the shard writer's flush (Arrow batches built and serialized there, ~12 GIL hand-overs a
-    batch). What a shard layout written so would cost, read by an A/B with both threads' work in the on
-    blocks (`--ab-pause all-threads`). The rows are counted as written; the session lacks them."""
-
-    HEADER = struct.Struct("<4sQqqdI")  # b"KVRF", records, device ref ns, host ref ns, slope, copies (ints)
-
-    def __init__(self, path: Path, recorder) -> None:
-        self.path, self.recorder = path, recorder
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        self.offset = 0
-
-    def append(self, recs, clock: tuple[int, int, float], copies: tuple[int, ...] = (), owned: bool = False) -> None:
-        body = memoryview(np.ascontiguousarray(recs)).cast("B")
-        header = self.HEADER.pack(b"KVRF", len(recs), int(clock[0]), int(clock[1]), float(clock[2]), len(copies))
-        parts = [header + struct.pack(f"<{len(copies)}i", *copies), body]
-        size = len(parts[0]) + len(body)
-        if self.offset + size > SCRATCH_FILE_BYTES:
-            self.offset = 0  # bounded disk: the scratch file starts again
-        done = os.pwritev(self.fd, parts, self.offset)  # the GIL let go once
-        if done < size:  # a short write: the rest after it
-            pwrite_all(self.fd, memoryview(b"".join(parts))[done:], self.offset + done)
-        self.offset += size
-        self.recorder.rows_written["kv_access_records"] += 1
 
 
 # --ab-calls: vLLM's own methods on the engine thread, each call timed in its block of --ab-blocks. kvtrace's
@@ -801,7 +726,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     if args.skip_kv_writes:
         if current_recorder() is None:
             raise SystemExit("profile --skip-kv-writes: no recorder in this process (run a recorded variant)")
-        skip_kv_writes(current_recorder(), args.skip_kv_writes, ring)
+        skip_kv_writes(current_recorder(), args.skip_kv_writes)
     pinned = pin_threads(args.pin) if args.pin else None
     load = None
     if args.ab_pause in LOADS:
@@ -958,7 +883,7 @@ def setup_note(r: dict) -> str:
         out += (f"; pinned ({pinned['placement']}): the engine thread on CPU {pinned['engine_cpu']} (its core: CPUs "
                 f"{pinned['engine_core']}), {where}")
     if skipped:
-        out += f"; KV record batches not written ({skipped})"
+        out += f"; KV record frames not written ({skipped})"
     load = r.get("load")
     if load:
         out += (f"; the load: {load['mb_s']:g} MB/s in the on blocks on a {load['where']} of its own"
@@ -1220,10 +1145,8 @@ def main() -> None:
                     help="with --ab-blocks: pin the engine thread to one CPU and kvtrace's threads to its core's other "
                     "hardware thread (near) or to other cores (far), or pin only the engine thread (engine)")
     ap.add_argument("--skip-kv-writes", choices=SKIP_KV_WRITES,
-                    help="with --ab-blocks: the shard writer does not write the KV record batches to their file (file), "
-                    "neither serializes nor writes them (all), or writes them with O_DIRECT to a scratch file (direct); "
-                    "or the drain's thread writes each drain's records as one raw frame to a scratch file and the "
-                    "writer never sees them (spool); the session lacks them")
+                    help="with --ab-blocks: the drains' KV record frames are built but not written (all); the session "
+                    "lacks them")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
