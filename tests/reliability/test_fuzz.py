@@ -102,12 +102,9 @@ def read_all(path: Path, table: str, is_open: bool, con: duckdb.DuckDBPyConnecti
     return res
 
 
-@pytest.mark.parametrize("is_open", [False, True], ids=["closed", "open"])
-@pytest.mark.parametrize("table", TABLES)
-def test_mutated_shard_reads_or_fails_cleanly(shard_bytes, table, is_open, tmp_path):
-    data = shard_bytes[table]
-    path = tmp_path / (f"{table}.00000.arrows" + (".partial" if is_open else ""))
-    con = duckdb.connect()
+def fuzz_reads(path: Path, data: bytes, is_open: bool, read) -> dict[str, int]:
+    """300 mutations of `data` written to `path`, each read by `read(path)` (-> ShardRead): data or a
+    one-line KvtraceError naming the file, a cut only in an open file and always reported. The outcomes."""
     outcomes = {"read": 0, "error": 0, "cut": 0}
 
     @fuzz(300)
@@ -115,7 +112,7 @@ def test_mutated_shard_reads_or_fails_cleanly(shard_bytes, table, is_open, tmp_p
     def check(ops):
         path.write_bytes(mutate(data, ops))
         try:
-            res = read_all(path, table, is_open, con)
+            res = read(path)
         except KvtraceError as exc:
             assert "\n" not in str(exc) and str(path) in str(exc)
             outcomes["error"] += 1
@@ -123,13 +120,22 @@ def test_mutated_shard_reads_or_fails_cleanly(shard_bytes, table, is_open, tmp_p
         outcomes["read"] += 1
         outcomes["cut"] += bool(res.bytes_cut)
         if res.bytes_cut:
-            assert is_open and res.problems  # a cut is reported, and only an open shard may have one
+            assert is_open and res.problems  # a cut is reported, and only an open file may have one
 
     check()
-    con.close()
     assert outcomes["error"] + outcomes["read"] >= 300
     if not is_open:
         assert outcomes["cut"] == 0
+    return outcomes
+
+
+@pytest.mark.parametrize("is_open", [False, True], ids=["closed", "open"])
+@pytest.mark.parametrize("table", TABLES)
+def test_mutated_shard_reads_or_fails_cleanly(shard_bytes, table, is_open, tmp_path):
+    path = tmp_path / (f"{table}.00000.arrows" + (".partial" if is_open else ""))
+    con = duckdb.connect()
+    fuzz_reads(path, shard_bytes[table], is_open, lambda p: read_all(p, table, is_open, con))
+    con.close()
 
 
 def test_truncated_open_shard_never_fails(shard_bytes, tmp_path):
@@ -181,27 +187,8 @@ def read_frames_to_rows(path: Path, is_open: bool) -> tuple[ShardRead, int]:
 @pytest.mark.parametrize("is_open", [False, True], ids=["closed", "open"])
 def test_mutated_frame_file_reads_or_fails_cleanly(frame_bytes, is_open, tmp_path):
     path = tmp_path / ("kv_access_records.00000.kvframes" + (".partial" if is_open else ""))
-    outcomes = {"read": 0, "error": 0, "cut": 0}
-
-    @fuzz(300)
-    @given(ops=mutations(len(frame_bytes)))
-    def check(ops):
-        path.write_bytes(mutate(frame_bytes, ops))
-        try:
-            res, _ = read_frames_to_rows(path, is_open)
-        except KvtraceError as exc:
-            assert "\n" not in str(exc) and str(path) in str(exc)
-            outcomes["error"] += 1
-            return
-        outcomes["read"] += 1
-        outcomes["cut"] += bool(res.bytes_cut)
-        if res.bytes_cut:
-            assert is_open and res.problems
-
-    check()
-    assert outcomes["error"] + outcomes["read"] >= 300 and outcomes["error"] and outcomes["read"]
-    if not is_open:
-        assert outcomes["cut"] == 0
+    outcomes = fuzz_reads(path, frame_bytes, is_open, lambda p: read_frames_to_rows(p, is_open)[0])
+    assert outcomes["error"] and outcomes["read"]
 
 
 def test_an_open_frame_file_cut_at_any_byte_reads_its_whole_frames(frame_bytes, tmp_path):

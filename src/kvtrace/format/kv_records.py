@@ -256,7 +256,11 @@ def iter_kv_records(batch: pa.RecordBatch, where: object = "kv_access_records"):
             raise KvtraceError(f"{where}: a kv_access_records row's layer_copies is not (layer, source) pairs "
                                f"of distinct layers; not a shard kvtrace wrote")
         recs = np.frombuffer(raw, dtype=REC_DTYPE) if size else np.zeros(0, REC_DTYPE)
-        cols = unpack_records(recs, to_host_ns(recs["ts"], (int(dev[i]), int(host[i]), float(slopes[i]))))
+        clock = (int(dev[i]), int(host[i]), float(slopes[i]))
+        if size and not _maps_in_range(recs["ts"], clock):
+            raise KvtraceError(f"{where}: a kv_access_records row's clock mapping puts its timestamps outside "
+                               f"64-bit nanoseconds; not a shard kvtrace wrote")
+        cols = unpack_records(recs, to_host_ns(recs["ts"], clock))
         for piece in itertools.chain([cols], copied_rows(cols, pairs)):  # one copy made at a time
             pending.append(piece)
             held += piece["layer"].size
@@ -265,6 +269,14 @@ def iter_kv_records(batch: pa.RecordBatch, where: object = "kv_access_records"):
                 pending, held = [], 0
     if pending:
         yield _batch(sch, pending)
+
+
+def _maps_in_range(ts: np.ndarray, clock: tuple[int, int, float]) -> bool:
+    """Whether `to_host_ns` maps every one of these timer values into int64 (a damaged clock reference
+    would wrap or overflow the cast; the recorder's own mappings are ~host_ref + seconds)."""
+    dev_ref, host_ref, slope = clock
+    lo, hi = int(ts.min()) - dev_ref, int(ts.max()) - dev_ref  # Python ints: no wrap
+    return all(abs(host_ref + d * slope) < 2.0**62 for d in (lo, hi))
 
 
 # Rows per batch iter_kv_records yields at most (beyond one piece): its memory, whatever the copies.

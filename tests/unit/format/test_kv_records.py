@@ -90,6 +90,8 @@ def test_an_empty_drain_expands_to_no_rows():
     ("clock_slope", float("nan"), "clock slope outside"),
     ("clock_slope", 0.0, "clock slope outside"),
     ("records", None, "nulls in records"),
+    ("clock_ref_host_ns", 1 << 62, "outside 64-bit nanoseconds"),
+    ("clock_ref_device_ns", -(1 << 62), "outside 64-bit nanoseconds"),
 ])
 def test_damaged_rows_are_refused_in_one_line(column, value, words):
     good = packed_batch(records(2), IDENTITY_CLOCK, SCHEMA)
