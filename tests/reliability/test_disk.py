@@ -224,6 +224,45 @@ def test_a_batch_cut_by_a_full_disk_is_either_written_or_counted_lost(tmp_path):
     assert read == out["written"] and read + lost == out["appended"], (read, out)
 
 
+FRAMES_CUT = r"""
+import json, resource, sys
+import numpy as np
+from kvtrace.format.kv_records import REC_DTYPE
+from kvtrace.record.recorder import Recorder
+rec = Recorder(sys.argv[1], "worker", {"flush_interval_s": 3600})
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, hard))  # the disk fills in the middle of a frame
+appended = 0
+while rec.stopped_reason is None:
+    rec.append_kv_records(np.zeros(700, REC_DTYPE), (0, 0, 1.0))  # 22 KB a drain
+    appended += 700
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+rec.close()
+print(json.dumps({"appended": appended, "dropped": rec.dropped, "dir": str(rec.dir)}))
+"""
+
+
+def test_a_frame_cut_by_a_full_disk_is_either_written_or_counted_lost(tmp_path):
+    """The drains' frame files: every record ends up exactly once, in a whole frame of a file that
+    ingests, or in the writer-error count."""
+    import sys
+    from pathlib import Path
+
+    from kvtrace.format.shards import ShardRead, list_shards, read_shard
+
+    res = subprocess.run([sys.executable, "-c", FRAMES_CUT, str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    read = 0
+    for shard in list_shards(Path(out["dir"])):
+        if shard.table == "kv_access_records":
+            r = ShardRead()
+            read += sum(b.column("records_count").to_numpy().sum() for b in read_shard(shard, r))
+            assert not r.problems, r.problems
+    lost = out["dropped"]["kv_access"]["writer-error"]
+    assert read > 0 and lost > 0 and read + lost == out["appended"], (read, out)
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="no SIGXFSZ here")
 def test_python_ignores_sigxfsz_so_a_file_size_limit_is_an_error_not_a_kill(tmp_path):
     """Why the RLIMIT_FSIZE fallback is safe for the recorded processes."""
