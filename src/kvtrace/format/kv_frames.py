@@ -110,7 +110,13 @@ class FrameWriter:
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._bytes = 0
         header = FILE_HEADER.pack(FILE_MAGIC, VERSION, REC_DTYPE.itemsize)
-        self._write_all([header])
+        try:
+            self._write_all([header])
+        except OSError:  # no room for the header: no file, so that no frame follows a missing one
+            os.close(self._fd)
+            self._fd = None
+            self._path.unlink(missing_ok=True)
+            raise
         self._bytes, self._rows, self._opened_at = len(header), 0, time.monotonic()
         self.bytes_total += len(header)
 

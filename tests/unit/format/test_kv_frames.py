@@ -151,6 +151,23 @@ def test_a_failed_write_is_cut_back_and_the_next_frame_lands_whole(tmp_path, mon
     assert len(kv_rows(read_all(tmp_path)[1])["step"]) == 40
 
 
+def test_a_file_whose_header_did_not_fit_is_not_left_for_frames(tmp_path, monkeypatch):
+    w = FrameWriter(tmp_path, 1 << 30, 1e9)
+    real = os.writev
+
+    def full(fd, views):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kv_frames.os, "writev", full)
+    with pytest.raises(OSError):
+        w.write_frame(records(10, 1), HOST)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(kv_frames.os, "writev", real)
+    w.write_frame(records(10, 2), HOST)
+    w.close()
+    assert kv_rows(read_all(tmp_path)[1])["step"] == records(10, 2)["step"].tolist()
+
+
 def test_the_recorder_writes_each_drain_at_once_from_any_memory(tmp_path):
     """Recorder.append_kv_records: a frame written before it returns (the caller's memory may be reused
     at once), counted as a drain in proc.json's rows_written; from several threads, whole frames; after
