@@ -204,24 +204,33 @@ print(json.dumps({"appended": appended, "written": rec.rows_written["steps"], "d
 """
 
 
-def test_a_batch_cut_by_a_full_disk_is_either_written_or_counted_lost(tmp_path):
-    """Every row appended ends up exactly once: in a shard, or in the writer-error count."""
+def run_until_the_disk_fills(code: str, tmp_path) -> tuple[dict, dict]:
+    """Run a recorder script that writes until its file size limit stops it; (its printed summary,
+    {table: (rows or records read back from its files, problems)})."""
     import sys
+    from pathlib import Path
 
     from kvtrace.format.shards import ShardRead, list_shards, read_shard
 
-    res = subprocess.run([sys.executable, "-c", PARTIAL_WRITE, str(tmp_path)], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    read = 0
-    from pathlib import Path
-
+    read: dict = {}
     for shard in list_shards(Path(out["dir"])):
-        if shard.table == "steps":
-            r = ShardRead()
-            read += sum(b.num_rows for b in read_shard(shard, r))
+        r = ShardRead()
+        n = sum(b.column("records_count").to_numpy().sum() if shard.table == "kv_access_records" else b.num_rows
+                for b in read_shard(shard, r))
+        got, problems = read.get(shard.table, (0, []))
+        read[shard.table] = (got + n, problems + r.problems)
+    return out, read
+
+
+def test_a_batch_cut_by_a_full_disk_is_either_written_or_counted_lost(tmp_path):
+    """Every row appended ends up exactly once: in a shard, or in the writer-error count."""
+    out, read = run_until_the_disk_fills(PARTIAL_WRITE, tmp_path)
+    rows = read["steps"][0]
     lost = out["dropped"]["steps"]["writer-error"]
-    assert read == out["written"] and read + lost == out["appended"], (read, out)
+    assert rows == out["written"] and rows + lost == out["appended"], (rows, out)
 
 
 FRAMES_CUT = r"""
@@ -245,22 +254,11 @@ print(json.dumps({"appended": appended, "dropped": rec.dropped, "dir": str(rec.d
 def test_a_frame_cut_by_a_full_disk_is_either_written_or_counted_lost(tmp_path):
     """The drains' frame files: every record ends up exactly once, in a whole frame of a file that
     ingests, or in the writer-error count."""
-    import sys
-    from pathlib import Path
-
-    from kvtrace.format.shards import ShardRead, list_shards, read_shard
-
-    res = subprocess.run([sys.executable, "-c", FRAMES_CUT, str(tmp_path)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
-    read = 0
-    for shard in list_shards(Path(out["dir"])):
-        if shard.table == "kv_access_records":
-            r = ShardRead()
-            read += sum(b.column("records_count").to_numpy().sum() for b in read_shard(shard, r))
-            assert not r.problems, r.problems
+    out, read = run_until_the_disk_fills(FRAMES_CUT, tmp_path)
+    records, problems = read["kv_access_records"]
+    assert not problems, problems
     lost = out["dropped"]["kv_access"]["writer-error"]
-    assert read > 0 and lost > 0 and read + lost == out["appended"], (read, out)
+    assert records > 0 and lost > 0 and records + lost == out["appended"], (records, out)
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="no SIGXFSZ here")

@@ -118,23 +118,19 @@ def owned_copy(recs: np.ndarray) -> np.ndarray:
     return owned
 
 
-# Bytes of records per shard batch at most, beyond one drain's (a batch's records are copied into one
-# buffer, and the batch into its IPC message). Kept under glibc's largest dynamic mmap threshold (32 MB),
-# so that those buffers are reused from the heap: one of 64 MB (a 1B model's 2 s of drains) was mapped,
-# faulted in page by page (16,600 faults a flush) and unmapped, twice a flush, the unmapping on the
-# writer's thread holding the GIL. A drain of a small model's 100 ms (~3.4 MB) is then a batch of its own,
-# its records written from the drain's copy without another; a larger one (all layers' block lists) is
-# written as several rows of at most this size, slices of the drain's copy.
+# Bytes of records per kv_access_records batch at most, beyond one drain's (a batch's records are copied
+# into one buffer). Kept under glibc's largest dynamic mmap threshold (32 MB), so that those buffers are
+# reused from the heap rather than mapped, faulted in page by page and unmapped each time. A frame file's
+# drain of more than this (all layers' block lists) is read as several rows of at most this size.
 BATCH_BYTES = 4 << 20
 
 
 def packed_batches(rows: list[PackedRecords], sch: pa.Schema, max_bytes: int | None = None) -> list[pa.RecordBatch]:
     """`kv_access_records` batches of these drains, in order: a row each (a drain of more than `max_bytes`
-    of records as rows of at most that, with its clock and copies), the drains of a flush joined into as
-    few batches as `max_bytes` allows. Built on the shard writer's thread once a flush:
-    Arrow's constructors let go of the GIL (they validate without it), and each time a background thread
-    takes it back the engine's thread stops for two thread wake-ups; a drain every 100 ms building its own
-    row did that tens of times a second (bench/bench_drain_gil.py)."""
+    of records as rows of at most that, with its clock and copies), consecutive drains joined into as few
+    batches as `max_bytes` allows. Made by ingest from frame files (kv_frames.py), never in a recording
+    process: Arrow's constructors let go of the GIL, and each time a background thread takes it back the
+    engine's thread stops for two thread wake-ups (bench/bench_drain_gil.py, bench_flush_handovers.py)."""
     max_bytes = BATCH_BYTES if max_bytes is None else max_bytes
     per_row = max(1, max_bytes // REC_DTYPE.itemsize)
     out, group, size = [], [], 0

@@ -208,30 +208,6 @@ def list_shards(proc_dir: Path, status: str | None = None) -> list[Shard]:
     return shards
 
 
-def _read_frame_file(shard: Shard, size: int, result: ShardRead) -> Iterator[pa.RecordBatch]:
-    """A frame file's batches (kv_frames.py), with an open one's problems worded as a shard's."""
-    path = shard.path
-    if size == 0:
-        if not shard.open:
-            raise KvtraceError(f"{path}: empty frame file")
-        if shard.proc_status != "flushed":  # created, killed before the header was written
-            result.problems.append(f"{path}: not closed and empty (its process stopped before writing to it)")
-        return
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        _take_closed(shard)
-        yield from read_shard(shard, result)
-        return
-    except OSError as exc:
-        raise KvtraceError(f"{path}: cannot read frame file ({exc.strerror or exc})") from None
-    with f:
-        ended = yield from read_frames(f, size, path, shard.open, result)
-    if shard.open and not ended and not result.bytes_cut and shard.proc_status != "flushed":
-        result.problems.append(f"{path}: not closed (its process was killed or is still running); read to its "
-                               f"last whole frame, {result.rows} records")
-
-
 def _take_closed(shard: Shard) -> None:
     """An open shard's file is gone: its process closed it (renamed .partial -> .arrows) since it was
     listed, and `shard` now names the closed file; or it vanished, which is an error."""
@@ -258,23 +234,21 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
         raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
     if not path.is_file():
         raise KvtraceError(f"{path}: not a file (expected an Arrow IPC shard)")
-    if FRAME_SUFFIX in path.name:
-        yield from _read_frame_file(shard, size, result)
-        return
+    frames = FRAME_SUFFIX in path.name  # the KV access rings' drains (kv_frames.py), read as shard rows
     if size == 0:
         if shard.open:  # created, killed before the header was flushed
             if shard.proc_status != "flushed":
                 result.problems.append(f"{path}: not closed and empty (its process stopped before writing to it)")
             return
-        raise KvtraceError(f"{path}: empty shard file")
+        raise KvtraceError(f"{path}: empty {'frame' if frames else 'shard'} file")
     expected = schema.arrow_schema(shard.table)
     try:
         # A closed shard is mapped: its batches are read in place (zero-copy), which halves the cost of
         # reading a session. One still being written is read through a file, whose size may change.
         # Arrow takes paths as UTF-8: a name that is not (bytes Python keeps as surrogates) is read
-        # through Python's file instead.
+        # through Python's file instead, as is a frame file (read a frame at a time).
         name = str(path)
-        f = open(path, "rb") if shard.open or shown(name) != name else pa.memory_map(name)
+        f = open(path, "rb") if frames or shard.open or shown(name) != name else pa.memory_map(name)
     except FileNotFoundError:
         _take_closed(shard)  # closed between the size check above and the open
         yield from read_shard(shard, result)
@@ -282,6 +256,12 @@ def read_shard(shard: Shard, result: ShardRead) -> Iterator[pa.RecordBatch]:
     except OSError as exc:
         raise KvtraceError(f"{path}: cannot read shard ({exc.strerror or exc})") from None
     with f:
+        if frames:
+            ended = yield from read_frames(f, size, path, shard.open, result)
+            if shard.open and not ended and not result.bytes_cut and shard.proc_status != "flushed":
+                result.problems.append(f"{path}: not closed (its process was killed or is still running); read "
+                                       f"to its last whole frame, {result.rows} records")
+            return
         try:
             reader = pa.ipc.open_stream(f)
         except (pa.ArrowException, OSError) as exc:  # ArrowInvalid, or NotImplemented for flipped type ids
