@@ -20,7 +20,8 @@
 #                                                   # thread on one CPU, kvtrace's threads on other cores (PIN=near: on
 #                                                   # its core's other hardware thread; engine: only the engine pinned)
 #   AB_CALLS=1 AB_PAUSE=all-threads SKIP_KV_WRITES=all ... bash bench/gpu_overhead.sh ab   # the drains' KV record
-#                                                   # frames built, not written (against the same without it)
+#                                                   # frames built, not written (against the same without it;
+#                                                   # SKIP_KV_WRITES=records: no block or timing record handed over)
 #   AB_CALLS=1 AB_PAUSE=load-process VARIANTS=default REPS=45 bash bench/gpu_overhead.sh ab   # a writer-like load
 #                                                   # (copies and page-cache writes, LOAD_MB_S, default 33) in another
 #                                                   # process by blocks, kvtrace recording in both (load-thread: on a

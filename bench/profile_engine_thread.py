@@ -72,8 +72,9 @@ time off the CPU with extra voluntary switches is waiting (for the GIL that a ba
 extra CPU time is work on the thread or the same work made slower (caches shared with other threads).
 
 Two more switches change kvtrace's background work in such an A/B, to tell what of it costs:
-`--skip-kv-writes all` builds the drains' KV record frames but does not write them (read with
-`--ab-pause all-threads`, which counts the drain thread's work), and `--pin far|near|engine` pins the
+`--skip-kv-writes all` builds the drains' KV record frames but does not write them (`records`: hands no
+block or timing record to the recorder; read with `--ab-pause all-threads`, which counts the drain
+thread's work), and `--pin far|near|engine` pins the
 engine thread to one CPU and kvtrace's threads to other cores, to its core's other hardware thread, or
 nowhere.
 `--ab-pause load-thread|load-process` switches a load shaped like the writer's KV record work instead
@@ -432,7 +433,7 @@ def pin_threads(placement: str) -> dict:
             "kvtrace_cpus": cpus if placement != "engine" else None, "threads": sorted(t.name for t in threads)}
 
 
-SKIP_KV_WRITES = ("all",)
+SKIP_KV_WRITES = ("all", "records")
 SCRATCH_FILE_BYTES = 1 << 30  # a load's scratch file starts again from its beginning past this
 
 
@@ -447,11 +448,18 @@ def pwrite_all(fd: int, data, offset: int) -> None:
 
 def skip_kv_writes(recorder, what: str) -> None:
     """`--skip-kv-writes all`: the drains' KV block records are not written to their frame files (the
-    frame built, not written), so that an A/B with the drain thread's work in it (all-threads) tells what
-    writing them costs the engine thread. The rows are counted as written; the session then lacks them (a
-    benchmark's session is thrown away)."""
-    if what != "all":
+    frame built, not written); `records`: neither they nor the layer timing records are handed to the
+    recorder at all (the drain thread then does only the native drain: its CUDA copies and lap check; the
+    writer's flushes only the host probes' tables). So an A/B with the drain thread's work in it
+    (all-threads) tells what writing, and handing over, the records costs the engine thread. The rows are
+    counted as written (all) or not at all (records); the session then lacks them (a benchmark's session
+    is thrown away)."""
+    if what not in SKIP_KV_WRITES:
         raise SystemExit(f"profile --skip-kv-writes: {what!r} is not one of {', '.join(SKIP_KV_WRITES)}")
+    if what == "records":
+        recorder.append_kv_records = lambda *a, **k: None
+        recorder.append_timing_records = lambda *a, **k: None
+        return
     writer = recorder.writers["kv_access_records"]
     writer._write_all = lambda parts: None
 
@@ -883,7 +891,8 @@ def setup_note(r: dict) -> str:
         out += (f"; pinned ({pinned['placement']}): the engine thread on CPU {pinned['engine_cpu']} (its core: CPUs "
                 f"{pinned['engine_core']}), {where}")
     if skipped:
-        out += f"; KV record frames not written ({skipped})"
+        out += ("; KV record frames not written (all)" if skipped == "all"
+                else f"; no KV block or timing record handed to the recorder ({skipped})")
     load = r.get("load")
     if load:
         out += (f"; the load: {load['mb_s']:g} MB/s in the on blocks on a {load['where']} of its own"
@@ -1145,8 +1154,8 @@ def main() -> None:
                     help="with --ab-blocks: pin the engine thread to one CPU and kvtrace's threads to its core's other "
                     "hardware thread (near) or to other cores (far), or pin only the engine thread (engine)")
     ap.add_argument("--skip-kv-writes", choices=SKIP_KV_WRITES,
-                    help="with --ab-blocks: the drains' KV record frames are built but not written (all); the session "
-                    "lacks them")
+                    help="with --ab-blocks: the drains' KV record frames are built but not written (all), or no record "
+                    "is handed to the recorder (records: block or timing); the session lacks them")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)

@@ -418,6 +418,31 @@ def test_skipping_the_kv_record_writes_leaves_the_other_tables_written(profile, 
         profile.skip_kv_writes(rec, "spool")
 
 
+def test_skipping_the_records_hands_none_to_the_recorder(profile, tmp_path):
+    """--skip-kv-writes records: neither a drain's block records nor its timing records reach the recorder
+    (no frame, no layer_timings row, none counted); the host probes' tables are written as usual."""
+    import numpy as np
+
+    from kvtrace.format.kv_records import REC_DTYPE, TIM_DTYPE
+    from kvtrace.record.recorder import Recorder
+
+    rec = Recorder(tmp_path / "s", "test", {"flush_interval_s": 3600})
+    try:
+        profile.skip_kv_writes(rec, "records")
+        rec.append_kv_records(np.zeros(1000, REC_DTYPE), (0, 0, 1.0))
+        rec.append_timing_records(np.zeros(10, TIM_DTYPE), (0, 0, 1.0))
+        rec.buffer("clock_anchors").append((1, 2, None, "host"))
+        rec.flush()
+        assert rec.rows_written["kv_access_records"] == 0 and rec.rows_written["layer_timings"] == 0
+        assert not rec.buffers["layer_timings"]
+        assert rec.rows_written["clock_anchors"] >= 2
+        assert "no KV block or timing record handed to the recorder (records)" in profile.setup_note(
+            {"skip_kv_writes": "records"})
+    finally:
+        rec.close()
+    assert not list(rec.dir.glob("kv_access_records.*")) and not list(rec.dir.glob("layer_timings.*"))
+
+
 @pytest.mark.parametrize("where,churn,handovers", [("thread", False, 0), ("process", False, 0), ("thread", True, 12)])
 def test_the_synthetic_load_writes_only_while_switched_on(profile, tmp_path, monkeypatch, where, churn, handovers):
     """--ab-pause load-thread|load-process: the load copies and writes its batches while on (with its GIL
