@@ -72,6 +72,10 @@ time off the CPU with extra voluntary switches is waiting (for the GIL that a ba
 extra CPU time is work on the thread or the same work made slower (caches shared with other threads).
 
 Two more switches change kvtrace's background work in such an A/B, to tell what of it costs:
+`--ab-calls` also times each call of the background threads' work (`ThreadWork`: the ring's drains and
+hand-overs, the recorder's flushes) and each step's start, and reads the on blocks' steps by what the
+threads did during them (`timeline_report`): whether the steps that meet their work are the slow ones,
+or every step of an on block is.
 `--skip-kv-writes all` builds the drains' KV record frames but does not write them (`records`: hands no
 block or timing record to the recorder; read with `--ab-pause all-threads`, which counts the drain
 thread's work), and `--pin far|near|engine` pins the
@@ -389,6 +393,45 @@ class ThreadHold:
                 vars(obj).pop(name, None)
             else:
                 setattr(obj, name, own)
+        self._shadowed.clear()
+
+
+class ThreadWork:
+    """`--ab-calls`: when kvtrace's background threads worked, as (start, end) `perf_counter_ns` spans of
+    each call of the ring's drain methods (`drain`: the GPU-side wait and copy; `emit`: handing the records
+    over and writing them) and of the recorder's flush (`flush`), so that the report can line the on
+    blocks' steps up with them (`timeline_report`): whether the steps during such work are the slow ones,
+    or every step of the block is. Installed under ThreadHold's shadows (it times the work, not the hold)."""
+
+    KINDS = (("drain", "ring", ("_drain_native", "_drain_to")), ("emit", "ring", ("_emit_native",)),
+             ("flush", "recorder", ("flush",)))
+
+    def __init__(self, ring, recorder) -> None:
+        self.spans: dict[str, list[tuple[int, int]]] = {kind: [] for kind, _, _ in self.KINDS}
+        self._shadowed: list[tuple[object, str]] = []
+        objs = {"ring": ring, "recorder": recorder}
+        for kind, owner, names in self.KINDS:
+            obj = objs[owner]
+            for name in names if obj is not None else ():
+                if callable(getattr(obj, name, None)) and name not in vars(obj):
+                    self._shadow(obj, name, self.spans[kind])
+
+    def _shadow(self, obj: object, name: str, spans: list) -> None:
+        orig, clock = getattr(obj, name), time.perf_counter_ns
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                spans.append((t0, clock()))  # list.append: atomic under the GIL, from any thread
+
+        self._shadowed.append((obj, name))
+        setattr(obj, name, timed)
+
+    def remove(self) -> None:
+        for obj, name in self._shadowed:
+            vars(obj).pop(name, None)
         self._shadowed.clear()
 
 
@@ -727,6 +770,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         raise SystemExit(f"profile --ab-pause {args.ab_pause}: no kvtrace probe in this process (run a recorded variant)")
     from kvtrace.record.recorder import current_recorder
 
+    # before the hold, whose shadows then wrap these: the spans time the work, not a wait at a hold
+    work = ThreadWork(ring, current_recorder()) if args.ab_calls else None
     hold = None
     if args.ab_pause in HELD:
         drain, writer = HELD[args.ab_pause]
@@ -742,7 +787,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         where = str(writer.directory) if writer is not None else tempfile.gettempdir()  # beside the shards
         load = SyntheticLoad(LOADS[args.ab_pause], where, args.load_mb_s, args.load_churn, args.load_handovers)
     engine, size = llm.llm_engine, args.ab_blocks
-    original, calls, count = engine.step, [], [0]
+    original, calls, count, starts = engine.step, [], [0], []
     current = [-1]  # the block of the step running now (--ab-calls)
     methods = BlockCallTimes(current) if args.ab_calls else None
     usage = StepUsage() if args.ab_calls else None
@@ -781,6 +826,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         if usage is not None:
             usage.after(block, start, ns)
         calls.append((block, recording, n % size, ns))
+        starts.append(t0)
         return out
 
     engine.step = timed_step
@@ -796,6 +842,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
         pause.set(True)
     if hold is not None:
         hold.remove()
+    if work is not None:
+        work.remove()
     load_cpu_s = load.stop() if load is not None else None
     if ring is not None:
         ring.sample_every = 1
@@ -810,6 +858,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              if hold is not None else None,
                                              "call_times": methods.ns if methods is not None else None,
                                              "thread_usage": usage.sums if usage is not None else None,
+                                             "step_starts_ns": starts if work is not None else None,
+                                             "thread_work": work.spans if work is not None else None,
                                              "pinned": pinned, "skip_kv_writes": args.skip_kv_writes,
                                              "load": {"where": load.where, "mb_s": args.load_mb_s, "cpu_s": load_cpu_s,
                                                       "churn": args.load_churn, "handovers": args.load_handovers}
@@ -878,7 +928,73 @@ def ab_blocks_report(variant: str, r: dict) -> str:
             f"{100 * r['threads_cpu_s'] / r['wall_s']:.2f}% of the window ({threads_where(r)})"
             + machine_note(r) + tlb_note(r) + spoilt + setup_note(r)
             + "".join("\n" + line for line in ab_calls_report(ab_call_diffs(r, kept), (on_name, off_name))
-                      + usage_report(usage_diffs(r, kept), (on_name, off_name))))
+                      + usage_report(usage_diffs(r, kept), (on_name, off_name)) + timeline_report(r, kept)))
+
+
+def overlapping(start: int, end: int, spans: list[tuple[int, int]], i: int) -> tuple[bool, int]:
+    """Whether [start, end) meets one of `spans` (sorted by start), looking from index i on; and the index
+    to look from for a later step (the first span that has not ended before `start`)."""
+    while i < len(spans) and spans[i][1] <= start:
+        i += 1
+    return i < len(spans) and spans[i][0] < end, i
+
+
+def timeline_steps(r: dict, kept: list[tuple[int, int, int, int]]) -> dict[str, list[float]]:
+    """An --ab-calls result's timed steps of the kept pairs, each as its excess over its pair's off block
+    (step / the off block's mean step - 1), grouped by what kvtrace's background threads did during it:
+    `off` (the off blocks' own steps: 0 on average), and for the on blocks' steps `quiet` (none of their
+    work), `drain` (a drain's GPU-side wait and copy, no hand-over), `emit` (records handed over and
+    written) and `flush` (a flush of the recorder; a step with both an emit and a flush counts as a flush)."""
+    starts, work = r.get("step_starts_ns"), r.get("thread_work")
+    if not starts or work is None:
+        return {}
+    spans = {kind: sorted(map(tuple, work.get(kind, []))) for kind in ("drain", "emit", "flush")}
+    steps: dict[int, list[tuple[int, int, int]]] = {}  # block -> [(position, start, ns)]
+    for (block, _, pos, ns), t0 in zip(r["calls"], starts):
+        if pos >= AB_SKIP:
+            steps.setdefault(block, []).append((pos, t0, ns))
+    out: dict[str, list[float]] = {k: [] for k in ("off", "quiet", "drain", "emit", "flush")}
+    at = {kind: 0 for kind in spans}
+    for on_b, off_b, _, _ in sorted(kept, key=lambda k: min(k[0], k[1])):
+        off_mean = statistics.fmean(ns for _, _, ns in steps[off_b])
+        out["off"] += [ns / off_mean - 1 for _, _, ns in steps[off_b]]
+        for _, t0, ns in steps[on_b]:
+            met = {}
+            for kind in spans:
+                met[kind], at[kind] = overlapping(t0, t0 + ns, spans[kind], at[kind])
+            kind = next((k for k in ("flush", "emit", "drain") if met[k]), "quiet")
+            out[kind].append(ns / off_mean - 1)
+    return out
+
+
+def mean_ci_np(xs: list[float], n_boot: int = 2000) -> tuple[float, float, float]:
+    """bench_gpu_throughput.mean_ci with NumPy (thousands of steps: Python's loop would take seconds)."""
+    import numpy as np
+
+    a = np.asarray(xs, dtype=float)
+    boots = np.sort(a[np.random.default_rng(0).integers(0, len(a), (n_boot, len(a)))].mean(axis=1))
+    return float(a.mean()), float(boots[int(0.025 * n_boot)]), float(boots[int(0.975 * n_boot) - 1])
+
+
+def timeline_report(r: dict, kept: list[tuple[int, int, int, int]]) -> list[str]:
+    """One line: the on blocks' steps by what kvtrace's threads did during them, each group's mean excess
+    over the off block of its pair (timeline_steps)."""
+    groups = timeline_steps(r, kept)
+    if not groups:
+        return []
+    parts = []
+    for kind, label in (("quiet", "with none of the threads' work"), ("drain", "during a drain's GPU wait and copy"),
+                        ("emit", "during a hand-over of records"), ("flush", "during a flush"),
+                        ("off", "the off blocks' own")):
+        xs = groups[kind]
+        if xs:
+            mean, lo, hi = mean_ci_np([100 * x for x in xs])
+            parts.append(f"{label}: {len(xs)} steps, {mean:+.2f}% [{lo:+.2f}, {hi:+.2f}]")
+    spans = r["thread_work"]
+    busy = ", ".join(f"{k} {len(spans[k])} calls, {sum(b - a for a, b in spans[k]) / 1e6:.0f} ms"
+                     for k in ("drain", "emit", "flush") if spans.get(k))
+    return ["  the on blocks' steps by what kvtrace's threads did during them (--ab-calls; a step's excess over the "
+            "mean step of its pair's off block): " + "; ".join(parts) + (f" (the threads' calls: {busy})" if busy else "")]
 
 
 def setup_note(r: dict) -> str:

@@ -511,3 +511,72 @@ def test_the_load_comparison_switches_the_load_by_block_and_reports_it(profile, 
     assert ("the load: 33 MB/s in the on blocks on a process of its own, each batch in memory of its own, 12 GIL "
             "hand-overs a batch, its CPU 2.50% of the window (its start and imports too)") in report
     assert "TLB shootdowns (all CPUs) 0.75 a step a writer-like load in a process of its own, 0.75 the load held" in report
+
+
+def test_the_timeline_tells_the_steps_during_the_threads_work_from_the_others(profile):
+    """--ab-calls: each on-block step is grouped by what kvtrace's threads did during it, and read against
+    its pair's off block: here the steps during a drain's hand-over are 20% slower, a flush's 50%, the
+    others 1%, and the report says so, group by group."""
+    size, ms = 8, 1_000_000
+    calls, starts, emits, flushes, drains, t = [], [], [], [], [], 0
+    for block in range(40):
+        recording = profile.block_records(block)
+        for pos in range(size):
+            excess = 0.0
+            if recording and pos >= profile.AB_SKIP:
+                excess = 0.01
+                if pos == 3:  # a drain, copy then hand-over, inside the step: it counts as a hand-over's
+                    drains.append((t + ms // 10, t + ms * 9 // 10))
+                    emits.append((t + ms, t + 2 * ms))
+                    excess = 0.20
+                elif pos == 5 and block % 4 == 0:
+                    flushes.append((t + 3 * ms, t + 9 * ms))
+                    excess = 0.50
+            ns = int(10 * ms * (1 + excess))
+            calls.append((block, recording, pos, ns))
+            starts.append(t)
+            t += ns
+    r = {"block_steps": size, "calls": calls, "wall_s": t / 1e9, "rows": 1, "threads_cpu_s": 0.1,
+         "step_starts_ns": starts, "thread_work": {"drain": drains, "emit": emits, "flush": flushes}}
+    _, _, _, _, _, kept = profile.ab_block_pairs(r)
+    groups = profile.timeline_steps(r, kept)
+    assert len(groups["emit"]) == 20 and len(groups["flush"]) == 10 and not groups["drain"]
+    assert statistics.fmean(groups["emit"]) == pytest.approx(0.20, abs=1e-6)
+    assert statistics.fmean(groups["flush"]) == pytest.approx(0.50, abs=1e-6)
+    assert statistics.fmean(groups["quiet"]) == pytest.approx(0.01, abs=1e-6)
+    assert statistics.fmean(groups["off"]) == pytest.approx(0.0, abs=1e-9)
+    text = profile.ab_blocks_report("default", r)
+    assert re.search(r"with none of the threads' work: 90 steps, \+1\.00%", text)
+    assert re.search(r"during a hand-over of records: 20 steps, \+20\.00%", text)
+    assert re.search(r"during a flush: 10 steps, \+50\.00%", text)
+    assert "drain 20 calls, 16 ms, emit 20 calls, 20 ms, flush 10 calls, 60 ms" in text
+    assert "by what kvtrace's threads did" not in profile.ab_blocks_report("default", {**r, "thread_work": None})
+
+
+def test_thread_work_times_the_work_under_the_hold(profile):
+    """ThreadWork's spans time the calls themselves; the hold, installed after it, wraps them, and both
+    come off again, leaving the objects as they were."""
+
+    class Ring:
+        def _drain_native(self):
+            time.sleep(0.002)
+
+        def _emit_native(self):
+            return "emitted"
+
+    class Rec:
+        def flush(self):
+            return None
+
+    ring, rec = Ring(), Rec()
+    work = profile.ThreadWork(ring, rec)
+    hold = profile.ThreadHold(ring, rec)
+    ring._drain_native()
+    assert ring._emit_native() == "emitted"
+    rec.flush()
+    hold.remove()
+    work.remove()
+    assert not vars(ring) and not vars(rec)
+    assert [len(work.spans[k]) for k in ("drain", "emit", "flush")] == [1, 1, 1]
+    (a, b), = work.spans["drain"]
+    assert b - a >= 2_000_000
