@@ -10,7 +10,11 @@ alternates, and does one kind of work while on:
 
 - `spin`: an integer loop (no memory traffic: only the package's clock and a shared core would feel it);
 - `copy`: NumPy copies of 3.4 MB buffers (a drain's records), through the caches;
-- `write`: the same buffers written to a file under `--dir` (the page cache), as the shard writer does.
+- `write`: the same buffers written to a file under `--dir` (the page cache), as the shard writer does;
+- `recorder`: kvtrace's own background work, on a thread of the measured process (the GIL shared, as in
+  an engine): every 100 ms a drain's records (`--records`, copied as the native drain copies them) and its
+  timing records handed to a real `Recorder` (one frame written), and every 2 s its flush, the drain and
+  the flush timed on the neighbour thread's own clock (printed: its CPU share of the on blocks).
 
 Printed per kind: the chunk's mean time with the load on over off, paired over the blocks, with a 95%
 bootstrap interval over the pairs. A ratio above 1 for `spin` means the cores share their speed
@@ -28,6 +32,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +43,7 @@ from bench_gpu_throughput import paired_ci  # noqa: E402
 from cpu_speed_probe import chunk  # noqa: E402  (fixed pure-Python work)
 from profile_engine_thread import block_records  # noqa: E402  (which block of a pair is on)
 
-KINDS = ("spin", "copy", "write")
+KINDS = ("spin", "copy", "write", "recorder")
 BUFFER_BYTES = 3_360_000  # a 1B-class model's 100 ms drain of KV records (105k records of 32 bytes)
 
 
@@ -69,12 +74,66 @@ def load(core: int, kind: str, on, stop, path: str) -> None:
         f.close()
 
 
-def measure(core: int, kind: str, load_core: int, seconds: float, block_ms: float, n: int, folder: str) -> list[float]:
-    """Ratios (mean chunk time, load on / off) over the pairs of blocks."""
-    on, stop = mp.Event(), mp.Event()
-    path = os.path.join(folder, f"neighbour-{kind}.bin")
-    proc = mp.Process(target=load, args=(load_core, kind, on, stop, path), daemon=True)
+DRAIN_S, FLUSH_S = 0.1, 2.0  # the ring's drain and the recorder's flush intervals (kvtrace's defaults)
+
+
+RECORDER_PARTS = ("copy", "frame", "timings", "flush")
+
+
+def recorder_load(core: int, on, stop, folder: str, records: int, cpu: list, parts=RECORDER_PARTS,
+                  ready=None) -> None:
+    """`recorder`: kvtrace's drain-thread and writer work, on this thread, while `on` is set (`parts`: the
+    drain's copy of its records, their frame, the timing records, the flush; each left out to tell what of
+    it costs); `cpu`: this thread's CPU seconds while on, appended at the end; `ready`: set once warm."""
+    from bench_kv_drain import device_records
+
+    from kvtrace.format.kv_records import TIM_DTYPE
+    from kvtrace.record.recorder import Recorder
+
+    os.sched_setaffinity(0, {core})  # this thread only
+    rec = Recorder(os.path.join(folder, "session"), "neighbour", {"flush_interval_s": 1e9})  # flushed here
+    staged = device_records(records, 30)
+    timings = np.zeros(16 * 10, TIM_DTYPE)
+    rec.append_kv_records(staged, (0, 0, 1.0), (1, 0))  # warm, untimed: the first flush's imports (~0.5 s)
+    rec.append_timing_records(timings, (0, 0, 1.0), owned=True)
+    rec.flush()
+    if ready is not None:
+        ready.set()
+    busy, next_flush = 0.0, time.monotonic() + FLUSH_S
+    while not stop.wait(DRAIN_S):  # its own cadence, not the blocks': the work falls anywhere in a block
+        if not on.is_set():
+            continue
+        t0 = time.thread_time()
+        drained = staged.copy() if "copy" in parts else staged  # the native drain's copy of its records
+        if "frame" in parts:
+            rec.append_kv_records(drained, (0, 0, 1.0), (1, 0))
+        if "timings" in parts:
+            rec.append_timing_records(timings, (0, 0, 1.0), owned=True)
+        if "flush" in parts and time.monotonic() >= next_flush:
+            rec.flush()
+            next_flush = time.monotonic() + FLUSH_S
+        busy += time.thread_time() - t0
+    rec.close()
+    cpu.append(busy)
+
+
+def measure(core: int, kind: str, load_core: int, seconds: float, block_ms: float, n: int, folder: str,
+            records: int = 50_000, parts=RECORDER_PARTS) -> tuple[list[float], float | None]:
+    """Ratios (mean chunk time, load on / off) over the pairs of blocks; for `recorder`, its thread's CPU
+    share of the on blocks."""
+    cpu: list[float] = []
+    ready = None
+    if kind == "recorder":
+        on, stop, ready = threading.Event(), threading.Event(), threading.Event()
+        proc = threading.Thread(target=recorder_load, args=(load_core, on, stop, folder, records, cpu, parts, ready),
+                                daemon=True)
+    else:
+        on, stop = mp.Event(), mp.Event()
+        path = os.path.join(folder, f"neighbour-{kind}.bin")
+        proc = mp.Process(target=load, args=(load_core, kind, on, stop, path), daemon=True)
     proc.start()
+    if ready is not None and not ready.wait(60):  # its warm-up (imports, first files) is not measured
+        raise SystemExit("bench_cpu_neighbours: the recorder thread did not start")
     os.sched_setaffinity(0, {core})
     blocks: list[tuple[bool, list[int]]] = []
     end = time.monotonic() + seconds
@@ -93,14 +152,15 @@ def measure(core: int, kind: str, load_core: int, seconds: float, block_ms: floa
     stop.set()
     on.set()
     proc.join(5)
-    if os.path.exists(path):
+    if kind != "recorder" and os.path.exists(path):
         os.unlink(path)
     ratios = []
     for i in range(0, len(blocks) - 1, 2):
         (a_on, a), (_, b) = blocks[i], blocks[i + 1]
         on_t, off_t = (a, b) if a_on else (b, a)
         ratios.append(statistics.fmean(on_t) / statistics.fmean(off_t))
-    return ratios
+    on_s = sum(block_ms / 1e3 for loaded, _ in blocks if loaded)
+    return ratios, (cpu[0] / on_s if cpu and on_s else None)
 
 
 def main() -> None:
@@ -112,7 +172,14 @@ def main() -> None:
     ap.add_argument("--block-ms", type=float, default=100.0)
     ap.add_argument("--chunk", type=int, default=2000, help="loop turns per timed chunk (cpu_speed_probe.py's; ~0.5 ms on a 2-vCPU VM)")
     ap.add_argument("--dir", default=None, help="where `write` writes its file (default: a temporary folder)")
+    ap.add_argument("--records", type=int, default=50_000,
+                    help="`recorder`: KV records a drain (the 1B default's ~100 ms on an H200: ~50,000)")
+    ap.add_argument("--recorder-parts", default=",".join(RECORDER_PARTS),
+                    help=f"`recorder`: which of its work it does, comma-separated, of {', '.join(RECORDER_PARTS)}")
     args = ap.parse_args()
+    parts = [x for x in args.recorder_parts.split(",") if x]
+    if any(x not in RECORDER_PARTS for x in parts):
+        raise SystemExit(f"bench_cpu_neighbours: unknown part in {parts} (of {', '.join(RECORDER_PARTS)})")
     allowed = sorted(os.sched_getaffinity(0))
     load_core = allowed[-1] if args.load_core is None else args.load_core
     if args.core not in allowed or load_core not in allowed or load_core == args.core:
@@ -123,13 +190,17 @@ def main() -> None:
         raise SystemExit(f"bench_cpu_neighbours: unknown kind in {kinds} (of {', '.join(KINDS)})")
     with tempfile.TemporaryDirectory(prefix="kvtrace-neighbours-", dir=args.dir) as folder:
         for kind in kinds:
-            ratios = measure(args.core, kind, load_core, args.seconds, args.block_ms, args.chunk, folder)
+            ratios, share = measure(args.core, kind, load_core, args.seconds, args.block_ms, args.chunk, folder,
+                                    args.records, parts)
             if not ratios:
                 print(f"{kind}: no complete pair of blocks (raise --seconds)")
                 continue
             mean, lo, hi = paired_ci(ratios)
             print(f"{kind}: chunk time on CPU {args.core} with CPU {load_core} loaded / idle: {mean:.4f} "
-                  f"[{lo:.4f}, {hi:.4f}] over {len(ratios)} pairs of {args.block_ms:.0f} ms blocks", flush=True)
+                  f"[{lo:.4f}, {hi:.4f}] over {len(ratios)} pairs of {args.block_ms:.0f} ms blocks"
+                  + (f"; the recorder thread ({','.join(parts)}): its CPU {100 * share:.2f}% of the on blocks"
+                     if share is not None else ""),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,15 @@ from tests.helpers.run import bench_module
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-@pytest.mark.parametrize("kind", ["spin", "write"])
+@pytest.mark.parametrize("kind", ["spin", "write", "recorder"])
 def test_the_neighbour_runs_in_the_on_blocks_and_leaves_nothing_behind(tmp_path, kind):
     bench = bench_module("bench_cpu_neighbours")
     core, load_core = sorted(os.sched_getaffinity(0))[:2]
     out = {}
 
     def run():  # on a thread of its own: measure() pins the calling thread
-        out["ratios"] = bench.measure(core, kind, load_core, seconds=1.0, block_ms=50, n=500, folder=str(tmp_path))
+        out["ratios"], out["share"] = bench.measure(core, kind, load_core, seconds=1.0, block_ms=50, n=500,
+                                                    folder=str(tmp_path), records=2000)
 
     t = threading.Thread(target=run)
     t.start()
@@ -27,4 +28,12 @@ def test_the_neighbour_runs_in_the_on_blocks_and_leaves_nothing_behind(tmp_path,
     assert len(ratios) >= 5 and all(r > 0 for r in ratios)
     mean, lo, hi = bench.paired_ci(ratios)
     assert lo <= mean <= hi
-    assert list(tmp_path.iterdir()) == []  # the write kind's file is removed
+    if kind != "recorder":
+        assert out["share"] is None
+        assert list(tmp_path.iterdir()) == []  # the write kind's file is removed
+        return
+    # kvtrace's own work: frames of the drains' records written by a real recorder, its CPU counted
+    assert 0 < out["share"] < 1
+    procs = list((tmp_path / "session" / "procs").iterdir())
+    frames = list(procs[0].glob("kv_access_records.*.kvframes"))
+    assert len(procs) == 1 and frames and frames[0].stat().st_size > 2000 * 32
