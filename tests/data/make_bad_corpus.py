@@ -12,6 +12,7 @@ them. The outputs are checked in.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import sqlite3
@@ -118,7 +119,7 @@ def write_shard(proc_dir: Path, table: str, batches: list[list[tuple]], close: b
     if close:
         w.close()
         return w.closed_shards[-1][0]
-    w._file.close()  # as if the process was killed: no end-of-stream marker, name still .partial
+    os.close(w._fd)  # as if the process was killed: no end-of-stream marker, name still .partial
     return w._path
 
 

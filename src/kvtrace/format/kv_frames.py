@@ -10,19 +10,16 @@ take it back per batch, each a wait for the engine's thread; written as they are
     frame   = FRAME_MAGIC, u32 copies (ints), i64 device ref ns, i64 host ref ns, f64 slope,
               u64 records, i32 copies[], records (REC_DTYPE, little-endian)
 
-Like a shard, a file being written is `<table>.<seq>.kvframes.partial`; closing writes END_MAGIC and
-renames it `.kvframes`. Each frame goes out in one `writev` and a failed one is cut back, so a killed
-process leaves whole frames and at most a detectable cut tail. The reader yields the same
+Like a shard (format/sealed_files.py), a file being written is `<table>.<seq>.kvframes.partial`; closing
+writes END_MAGIC and renames it `.kvframes`. Each frame goes out in one `writev` and a failed one is cut
+back, so a killed process leaves whole frames and at most a detectable cut tail. The reader yields the same
 `kv_access_records` batches a shard of them holds (the checks of their values stay with the decoding,
 kv_records.iter_kv_records), each of at most BATCH_BYTES of records, whatever a frame claims.
 """
 
 from __future__ import annotations
 
-import os
 import struct
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -33,6 +30,7 @@ import pyarrow as pa
 from kvtrace.errors import KvtraceError
 from kvtrace.format import schema
 from kvtrace.format.kv_records import BATCH_BYTES, MAX_COPIES, REC_DTYPE, PackedRecords, packed_batches
+from kvtrace.format.sealed_files import SealedFileWriter
 
 FRAME_SUFFIX = ".kvframes"
 TABLE = "kv_access_records"
@@ -45,117 +43,35 @@ END_MAGIC = b"KVRFEND\x00"
 
 
 # ---- writing (on the drain's thread, in the recording processes) ------------------------------------
-class FrameWriter:
+class FrameWriter(SealedFileWriter):
     """Appends drains' block records as frames to rotating frame files in one directory: the shard
-    writer's counterpart for `kv_access_records` (the same `closed_shards`, `bytes_total`, `open_rows`,
-    `rotate_if_old` and `close`), called from the drains' threads and the recorder's, hence its lock."""
+    writer's counterpart for `kv_access_records` (sealed_files.SealedFileWriter: the same files' life),
+    called from the drains' threads and the recorder's."""
+
+    suffix = FRAME_SUFFIX
+    end_marker = END_MAGIC
+    kind = "frame file"
 
     def __init__(self, directory: Path, rotate_bytes: int, rotate_s: float):
-        self.directory = directory
-        self.table = TABLE
-        self.rotate_bytes = rotate_bytes
-        self.rotate_s = rotate_s
-        self.seq = 0
-        self.closed_shards: list[tuple[Path, int]] = []  # (path, records), oldest first
-        self.broken = False
-        self.bytes_total = 0  # bytes written, all files (for the max-size forecast)
-        self.frames = 0  # frames written, all files (proc.json's rows_written: a drain each)
-        self._fd: int | None = None
-        self._path: Path | None = None
-        self._bytes = 0
-        self._rows = 0
-        self._opened_at = 0.0
-        self._lock = threading.Lock()
+        super().__init__(directory, TABLE, rotate_bytes, rotate_s)
 
     @property
-    def open_rows(self) -> int:
-        """Records in the file being written (0 when none is open)."""
-        return self._rows if self._fd is not None else 0
+    def frames(self) -> int:
+        """Frames written, all files (proc.json's rows_written: a drain each)."""
+        return self.pieces
+
+    def header(self) -> bytes:
+        return FILE_HEADER.pack(FILE_MAGIC, VERSION, REC_DTYPE.itemsize)
 
     def write_frame(self, recs: np.ndarray, clock: tuple[int, int, float], copies: tuple[int, ...] = ()) -> int:
         """Append one drain's records (REC_DTYPE, any memory: written before this returns) with the clock
         mapping to decode their timestamps with and the layers recorded as copies ((layer, source) pairs,
         flattened). Returns the bytes written. Raises OSError on disk trouble."""
         body = memoryview(np.ascontiguousarray(recs)).cast("B")
+        rows = len(body) // REC_DTYPE.itemsize
         head = FRAME_HEADER.pack(FRAME_MAGIC, len(copies), int(clock[0]), int(clock[1]), float(clock[2]),
-                                 len(body) // REC_DTYPE.itemsize) + struct.pack(f"<{len(copies)}i", *copies)
-        with self._lock:
-            if self._fd is None:
-                self._open()
-            if self.broken:
-                raise OSError(f"{self._path}: frame file left incomplete by an earlier write error")
-            self._write_all([head, body])  # the GIL let go once, for the whole frame
-            size = len(head) + len(body)
-            self._bytes += size
-            self.bytes_total += size
-            self._rows += len(body) // REC_DTYPE.itemsize
-            self.frames += 1
-            if self._bytes >= self.rotate_bytes or time.monotonic() - self._opened_at >= self.rotate_s:
-                self._close()
-        return size
-
-    def rotate_if_old(self) -> None:
-        """Close the open file once it is `rotate_s` old, so that a quiet ring leaves no `.partial` open."""
-        with self._lock:
-            if self._fd is not None and time.monotonic() - self._opened_at >= self.rotate_s:
-                self._close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
-
-    def _open(self) -> None:
-        self._path = self.directory / f"{TABLE}.{self.seq:05d}{FRAME_SUFFIX}.partial"
-        self.seq += 1
-        self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._bytes = 0
-        header = FILE_HEADER.pack(FILE_MAGIC, VERSION, REC_DTYPE.itemsize)
-        try:
-            self._write_all([header])
-        except OSError:  # no room for the header: no file, so that no frame follows a missing one
-            os.close(self._fd)
-            self._fd = None
-            self._path.unlink(missing_ok=True)
-            raise
-        self._bytes, self._rows, self._opened_at = len(header), 0, time.monotonic()
-        self.bytes_total += len(header)
-
-    def _write_all(self, parts: list) -> None:
-        """Write all of `parts` or nothing: on an error (disk full) cut the file back to where it was."""
-        views = [memoryview(p).cast("B") for p in parts]
-        try:
-            while views:
-                done = os.writev(self._fd, views)
-                while views and done >= len(views[0]):
-                    done -= len(views[0])
-                    views.pop(0)
-                if views:
-                    views[0] = views[0][done:]
-        except OSError:
-            try:
-                os.ftruncate(self._fd, self._bytes)
-                os.lseek(self._fd, self._bytes, os.SEEK_SET)
-            except OSError:
-                self.broken = True  # a cut tail stays: close() leaves the file `.partial`
-            raise
-
-    def _close(self) -> None:
-        if self._fd is None:
-            return
-        try:
-            if self.broken:  # never seal a file with a torn frame in it: readers stop at its last whole one
-                return
-            try:
-                self._write_all([END_MAGIC])
-            except OSError:  # no room for the marker: the file stays `.partial`, whole up to its last frame
-                return
-            self.bytes_total += len(END_MAGIC)
-            final = self._path.with_name(self._path.name[: -len(".partial")])
-            os.replace(self._path, final)
-            self.closed_shards.append((final, self._rows))
-        finally:
-            os.close(self._fd)
-            self._fd = None
+                                 rows) + struct.pack(f"<{len(copies)}i", *copies)
+        return self._append([head, body], rows)  # the GIL let go once, for the whole frame
 
 
 # ---- reading (in ingest) -----------------------------------------------------------------------------

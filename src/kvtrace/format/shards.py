@@ -2,8 +2,9 @@
 recorder (`ShardWriter`) and read by ingest (`list_shards`, `read_shard`).
 
 A shard is an Arrow IPC stream. While written it is `<table>.<seq>.arrows.partial`; closing writes the
-end-of-stream marker and renames it `.arrows`. Every batch goes out in one `write()`, so a killed
-process leaves whole batches and at most a detectable cut tail.
+end-of-stream marker and renames it `.arrows`. Every batch goes out whole (format/sealed_files.py, which
+the KV record frame files share), so a killed process leaves whole batches and at most a detectable cut
+tail.
 
 Reading: a closed shard (`.arrows`) must read to its end-of-stream marker; a shard that was still open
 (`.arrows.partial`, its process was killed or is still running) is read up to its last complete batch
@@ -18,7 +19,6 @@ not valid Arrow such as non-UTF-8 strings, another table's schema, not Arrow at 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,109 +32,39 @@ from kvtrace.format import schema
 from kvtrace.format.kv_frames import FRAME_SUFFIX, read_frames
 from kvtrace.format.kv_frames import TABLE as FRAMES_TABLE
 from kvtrace.format.kv_records import expand_kv_records, iter_kv_records
+from kvtrace.format.sealed_files import OPEN_SUFFIX, SealedFileWriter
 from kvtrace.format.session import read_proc, shown
 
 EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC end-of-stream marker, written when a shard closes
 
 
 # ---- writing (in the recording processes) --------------------------------------------------------
-OPEN_SUFFIX = ".partial"  # a shard still being written; renamed to `.arrows` when closed
 SHARD_SUFFIX = ".arrows"
 
 
-class ShardWriter:
-    """Appends RecordBatches of one table to rotating Arrow IPC stream files in one directory."""
+class ShardWriter(SealedFileWriter):
+    """Appends RecordBatches of one table to rotating Arrow IPC stream files in one directory
+    (sealed_files.SealedFileWriter: the files' life)."""
+
+    suffix = SHARD_SUFFIX
+    end_marker = EOS
+    kind = "shard"
 
     def __init__(self, directory: Path, table: str, rotate_bytes: int, rotate_s: float):
-        self.directory = directory
-        self.table = table
+        super().__init__(directory, table, rotate_bytes, rotate_s)
         self.schema = schema.arrow_schema(table)
-        self.rotate_bytes = rotate_bytes
-        self.rotate_s = rotate_s
-        self.seq = 0
-        self.closed_shards: list[tuple[Path, int]] = []  # (path, rows), oldest first
-        self._file = None
-        self.broken = False
-        self._path: Path | None = None
-        self._bytes = 0
-        self._rows = 0
-        self._opened_at = 0.0
-        self.bytes_total = 0  # bytes written by this writer, all shards (for the max-size forecast)
 
-    @property
-    def open_rows(self) -> int:
-        """Rows in the shard being written (0 when none is open)."""
-        return self._rows if self._file is not None else 0
-
-    def rotate_if_old(self) -> None:
-        """Close the open shard once it is `rotate_s` old even when no batch comes to trigger it, so a
-        quiet table does not keep one `.partial` file open for the whole run."""
-        if self._file is not None and time.monotonic() - self._opened_at >= self.rotate_s:
-            self.close()
-
-    def _open(self) -> None:
-        self._path = self.directory / f"{self.table}.{self.seq:05d}{SHARD_SUFFIX}{OPEN_SUFFIX}"
-        self.seq += 1
-        # Unbuffered: a failed write must not leave bytes in a Python buffer that a later flush or
-        # close() would append after our end-of-stream marker.
-        self._file = open(self._path, "wb", buffering=0)
-        self._bytes = 0
+    def header(self) -> bytes:
+        """The stream's schema message (its end-of-stream marker cut off: batches follow)."""
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, self.schema):
-            pass  # only the schema message; the end-of-stream marker is cut off below
-        header = sink.getvalue().to_pybytes()[:-8]
-        self._write_all(header)
-        self._bytes, self._rows, self._opened_at = len(header), 0, time.monotonic()
-        self.bytes_total += len(header)
+            pass
+        return sink.getvalue().to_pybytes()[: -len(EOS)]
 
     def write(self, batch: pa.RecordBatch) -> int:
         """Append one batch; returns the bytes written. Raises OSError on disk trouble."""
-        if self._file is None:
-            self._open()
-        if self.broken:
-            raise OSError(f"{self._path}: shard left incomplete by an earlier write error")
-        payload = _batch_message(batch)
-        self._write_all(payload)  # whole batches only: a kill leaves whole batches or a detectable tail
-        self._bytes += payload.size
-        self.bytes_total += payload.size
-        self._rows += batch_rows(self.table, batch)
-        if self._bytes >= self.rotate_bytes or time.monotonic() - self._opened_at >= self.rotate_s:
-            self.close()
-        return payload.size
-
-    def _write_all(self, data: bytes | pa.Buffer) -> None:
-        """Write all of `data` or nothing: on an error (disk full) cut the file back to where it was."""
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[self._file.write(view):]
-        except OSError:
-            try:
-                self._file.truncate(self._bytes)
-                self._file.seek(self._bytes)
-            except OSError:
-                self.broken = True  # a cut tail stays: close() leaves the shard `.partial`
-            raise
-
-    def close(self) -> None:
-        if self._file is None:
-            return
-        if self.broken:  # never seal a shard with a torn batch in it: readers stop at its last whole one
-            self._file.close()
-            self._file = None
-            return
-        try:
-            self._write_all(b"\xff\xff\xff\xff\x00\x00\x00\x00")  # Arrow end-of-stream marker
-        except OSError:  # no room for the marker: the shard stays `.partial`, whole up to its last batch
-            self._file.close()
-            self._file = None
-            return
-        self.bytes_total += 8
-        self._file.close()
-        final = self._path.with_name(self._path.name[: -len(OPEN_SUFFIX)])
-        os.replace(self._path, final)
-        self.closed_shards.append((final, self._rows))
-        self._file = None
+        # whole batches only: a kill leaves whole batches or a detectable tail
+        return self._append([_batch_message(batch)], batch_rows(self.table, batch))
 
 
 # Arrow's memory for the rows the recorder converts and the IPC bytes it writes: the C library's

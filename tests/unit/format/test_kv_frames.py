@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from kvtrace.errors import KvtraceError
-from kvtrace.format import kv_frames, schema
+from kvtrace.format import schema
 from kvtrace.format.kv_frames import END_MAGIC, FILE_HEADER, FRAME_HEADER, FrameWriter
 from kvtrace.format.kv_records import BATCH_BYTES, REC_DTYPE, PackedRecords, expand_kv_records, packed_batches
 from kvtrace.format.shards import ShardRead, list_shards, read_shard
@@ -142,10 +142,10 @@ def test_a_failed_write_is_cut_back_and_the_next_frame_lands_whole(tmp_path, mon
         real(fd, [bytes(memoryview(views[0])[:7])])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(kv_frames.os, "writev", half_then_full)
+    monkeypatch.setattr(os, "writev", half_then_full)
     with pytest.raises(OSError):
         w.write_frame(records(20, 2), HOST)
-    monkeypatch.setattr(kv_frames.os, "writev", real)
+    monkeypatch.setattr(os, "writev", real)
     w.write_frame(records(30, 3), HOST)
     w.close()
     assert len(kv_rows(read_all(tmp_path)[1])["step"]) == 40
@@ -158,11 +158,11 @@ def test_a_file_whose_header_did_not_fit_is_not_left_for_frames(tmp_path, monkey
     def full(fd, views):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(kv_frames.os, "writev", full)
+    monkeypatch.setattr(os, "writev", full)
     with pytest.raises(OSError):
         w.write_frame(records(10, 1), HOST)
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(kv_frames.os, "writev", real)
+    monkeypatch.setattr(os, "writev", real)
     w.write_frame(records(10, 2), HOST)
     w.close()
     assert kv_rows(read_all(tmp_path)[1])["step"] == records(10, 2)["step"].tolist()
