@@ -19,6 +19,7 @@ from kvtrace.format.kv_records import BATCH_BYTES, REC_DTYPE, PackedRecords, exp
 from kvtrace.format.shards import ShardRead, list_shards, read_shard
 from kvtrace.record.recorder import Recorder
 from tests.unit.format.test_kv_records import records
+from tests.unit.format.test_sealed_files import cut_after, no_room
 
 FIT = (1_500_000_000_000, 9_000_000_000_000, 1.0000123)
 HOST = (0, 0, 1.0)
@@ -137,12 +138,7 @@ def test_a_failed_write_is_cut_back_and_the_next_frame_lands_whole(tmp_path, mon
     w = FrameWriter(tmp_path, 1 << 30, 1e9)
     w.write_frame(records(10, 1), HOST)
     real = os.writev
-
-    def half_then_full(fd, views):
-        real(fd, [bytes(memoryview(views[0])[:7])])
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "writev", half_then_full)
+    monkeypatch.setattr(os, "writev", cut_after(7))
     with pytest.raises(OSError):
         w.write_frame(records(20, 2), HOST)
     monkeypatch.setattr(os, "writev", real)
@@ -154,11 +150,7 @@ def test_a_failed_write_is_cut_back_and_the_next_frame_lands_whole(tmp_path, mon
 def test_a_file_whose_header_did_not_fit_is_not_left_for_frames(tmp_path, monkeypatch):
     w = FrameWriter(tmp_path, 1 << 30, 1e9)
     real = os.writev
-
-    def full(fd, views):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "writev", full)
+    monkeypatch.setattr(os, "writev", no_room)
     with pytest.raises(OSError):
         w.write_frame(records(10, 1), HOST)
     assert list(tmp_path.iterdir()) == []

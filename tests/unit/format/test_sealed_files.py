@@ -29,16 +29,22 @@ def no_room(fd, views):
     raise OSError(28, "No space left on device")
 
 
+def cut_after(n_bytes: int):
+    """An os.writev that writes the first `n_bytes` of a piece, then finds the disk full."""
+    real = os.writev
+
+    def half_then_full(fd, views):
+        real(fd, [bytes(memoryview(views[0])[:n_bytes])])
+        return no_room(fd, views)
+
+    return half_then_full
+
+
 def test_a_failed_batch_is_cut_back_and_the_next_lands_whole(tmp_path, monkeypatch):
     w = ShardWriter(tmp_path, "clock_anchors", 1 << 30, 1e9)
     w.write(rows_to_batch("clock_anchors", anchors(3, 0)))
     real = os.writev
-
-    def half_then_full(fd, views):
-        real(fd, [bytes(memoryview(views[0])[:7])])
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "writev", half_then_full)
+    monkeypatch.setattr(os, "writev", cut_after(7))
     with pytest.raises(OSError):
         w.write(rows_to_batch("clock_anchors", anchors(4, 10)))
     monkeypatch.setattr(os, "writev", real)
