@@ -13,9 +13,9 @@ outlives its append (nothing for the garbage collector to walk, nothing to conve
 native module is not built it is a list of the tuples. A daemon thread wakes every `flush_interval_s`
 (default 2 s, `FLUSH_INTERVAL_S`), takes the rows appended so far as Arrow RecordBatches and appends them to the
 process's shard files (Arrow IPC streams, one file per table, rotated by size and age). A stream stays readable up to its
-last complete batch if the process is killed, because every batch goes out in one `write()`. A KV
-access ring's drained block records are the exception: `append_kv_records` writes them on the drain's
-thread, one frame a drain, to frame files (format/kv_frames.py) that rotate and close the same way.
+last complete batch if the process is killed, because every batch goes out whole (format/sealed_files.py).
+A KV access ring's drained block records are the exception: `append_kv_records` writes them on the
+drain's thread, one frame a drain, to frame files (format/kv_frames.py) that rotate and close the same way.
 
 Nothing is lost silently: rows that cannot be written (disk full, read-only directory, size cap, a
 backlog past `max_pending_rows`) are counted per table and cause, written to the `drops` table and to
