@@ -22,6 +22,8 @@
 #   AB_CALLS=1 AB_PAUSE=all-threads SKIP_KV_WRITES=all ... bash bench/gpu_overhead.sh ab   # the drains' KV record
 #                                                   # frames built, not written (against the same without it;
 #                                                   # SKIP_KV_WRITES=records: no block or timing record handed over)
+#   AB_CALLS=1 AB_PAUSE=all-threads SKIP_KV_WRITES=records,none VARIANTS=default,default REPS=80 \
+#       bash bench/gpu_overhead.sh ab-gpus          # the same two at once, a GPU each (none: everything written)
 #   AB_CALLS=1 AB_PAUSE=load-process VARIANTS=default REPS=45 bash bench/gpu_overhead.sh ab   # a writer-like load
 #                                                   # (copies and page-cache writes, LOAD_MB_S, default 33) in another
 #                                                   # process by blocks, kvtrace recording in both (load-thread: on a
@@ -91,6 +93,7 @@ for stage in "$@"; do
         # (each A/B is paired inside its process: the other process is only more of the machine's noise)
         IFS=, read -ra vs <<<"${VARIANTS:-default,host-only}"
         IFS=, read -ra ps <<<"${AB_PAUSE:-all}"  # one mode for every GPU, or one a GPU
+        IFS=, read -ra ks <<<"${SKIP_KV_WRITES:-none}"  # the same; none: everything written
         n=$(nproc) k=${#vs[@]} pids=()
         echo "=== ab-gpus: ${vs[*]} on $k GPUs, AB_PAUSE=${AB_PAUSE:-all} REPS=${REPS:-10}" | tee -a "$OUT/ab-gpus.log"
         # (a variant may be named more than once, e.g. default,default: the same A/B on two GPUs; each
@@ -99,6 +102,7 @@ for stage in "$@"; do
             CUDA_VISIBLE_DEVICES=$i timeout 570 taskset -c "$((i * n / k))-$(((i + 1) * n / k - 1))" \
                 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${vs[$i]}" --ab-blocks 16 \
                 --ab-pause "${ps[$i]:-${ps[0]}}" ${AB_CALLS:+--ab-calls} --reps "${REPS:-10}" --timeout 560 \
+                $(k=${ks[$i]:-${ks[0]}}; [ "$k" = none ] || echo --skip-kv-writes "$k") \
                 --out "$OUT/ab-gpus/gpu$i" >"$OUT/ab-gpus-gpu$i-${vs[$i]}.log" 2>&1 &
             pids+=($!)
         done
@@ -107,7 +111,7 @@ for stage in "$@"; do
             echo "=== ab-gpus gpu$i ${vs[$i]}: exit $?" >>"$OUT/ab-gpus-gpu$i-${vs[$i]}.log"
             tail -n 3 "$OUT/ab-gpus-gpu$i-${vs[$i]}.log" | tee -a "$OUT/ab-gpus.log"
         done
-        [ "${#ps[@]}" -gt 1 ] && vs=()  # different comparisons: nothing to pool
+        [ "${#ps[@]}" -gt 1 ] || [ "${#ks[@]}" -gt 1 ] && vs=()  # different comparisons: nothing to pool
         for v in $(printf '%s\n' "${vs[@]}" | sort | uniq -d); do  # a variant on several GPUs: their pairs pooled
             python3 bench/profile_engine_thread.py --pool "$OUT"/ab-gpus/gpu*/"$SHAPE-$v.txt" 2>&1 \
                 | sed "s/^/$v /" | tee -a "$OUT/ab-gpus.log"

@@ -620,6 +620,14 @@ AB_CALLS = (
     ("vllm.v1.core.block_pool", "BlockPool", "touch"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model"),
+    # execute_model's parts (the model runner V1's), to tell which of them the background threads' work
+    # slows: the pure-Python bookkeeping, the host-to-device copies, the graph launch, the sampling's
+    # launches, and the wait for the GPU's sampled tokens (async scheduling's future: a blocking event)
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    ("vllm.v1.worker.gpu_model_runner", "AsyncGPUModelRunnerOutput", "get_output"),
 )
 
 
