@@ -620,9 +620,16 @@ AB_CALLS = (
     ("vllm.v1.core.block_pool", "BlockPool", "touch"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model"),
-    # execute_model's parts (the model runner V1's), to tell which of them the background threads' work
-    # slows: the pure-Python bookkeeping, the host-to-device copies, the graph launch, the sampling's
-    # launches, and the wait for the GPU's sampled tokens (async scheduling's future: a blocking event)
+    # execute_model's parts, to tell which of them kvtrace slows: the pure-Python bookkeeping, the inputs'
+    # host-to-device copies, the graph's replay (where the ring's deferred launch is made), the sampling's
+    # launches (sample_tokens: outside execute_model), and the wait for the GPU's sampled tokens (async
+    # scheduling's output: a blocking event). Model runner V2 (vLLM's default on CUDA), then V1.
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "update_requests"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_attn"),
+    ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "run_fullgraph"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample_tokens"),
+    ("vllm.v1.worker.gpu.async_utils", "AsyncOutput", "get_output"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
@@ -644,7 +651,7 @@ class BlockCallTimes:
             cls = getattr(sys.modules.get(module), cls_name, None)
             if cls is None or meth not in cls.__dict__:
                 continue
-            name = f"{cls_name}.{meth}" + (" (runner V2)" if module.endswith("gpu.model_runner") else "")
+            name = f"{cls_name}.{meth}" + (" (runner V2)" if module.startswith("vllm.v1.worker.gpu.") else "")
             self._wrap(cls, meth, name)
 
     def _wrap(self, cls: type, meth: str, name: str) -> None:
