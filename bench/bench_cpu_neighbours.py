@@ -16,6 +16,12 @@ alternates, and does one kind of work while on:
   timing records handed to a real `Recorder` (one frame written), and every 2 s its flush, the drain and
   the flush timed on the neighbour thread's own clock (printed: its CPU share of the on blocks).
 
+`--release-every N` makes the measured thread more like vLLM's engine thread on a GPU: every N turns of
+its loop it calls C code that lets the GIL go for a few microseconds (a SHA-1 of 16 KB, as each torch op
+lets it go around its dispatch: a CUDA engine's step makes hundreds). A thread waiting for the GIL takes it
+there instead of at the 5 ms switch interval, and the measured thread then waits for it back: kvtrace's
+threads' hand-overs cost a thread like that what they do not cost a pure-Python loop (0 = never).
+
 Printed per kind: the chunk's mean time with the load on over off, paired over the blocks, with a 95%
 bootstrap interval over the pairs. A ratio above 1 for `spin` means the cores share their speed
 (frequency, or hardware threads of one core); for `copy` or `write` alone, that they share caches or
@@ -27,6 +33,7 @@ memory.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing as mp
 import os
 import statistics
@@ -117,8 +124,20 @@ def recorder_load(core: int, on, stop, folder: str, records: int, cpu: list, par
     cpu.append(busy)
 
 
+RELEASE_BYTES = bytes(16384)  # hashlib lets the GIL go for data of 2 KB and more
+
+
+def released_chunk(n: int, every: int) -> int:
+    """cpu_speed_probe's chunk of `n` turns in pieces of `every`, the GIL let go between them."""
+    acc = 0
+    for _ in range(max(1, n // every)):
+        acc += chunk(every)
+        hashlib.sha1(RELEASE_BYTES).digest()
+    return acc
+
+
 def measure(core: int, kind: str, load_core: int, seconds: float, block_ms: float, n: int, folder: str,
-            records: int = 50_000, parts=RECORDER_PARTS) -> tuple[list[float], float | None]:
+            records: int = 50_000, parts=RECORDER_PARTS, release_every: int = 0) -> tuple[list[float], float | None]:
     """Ratios (mean chunk time, load on / off) over the pairs of blocks; for `recorder`, its thread's CPU
     share of the on blocks."""
     cpu: list[float] = []
@@ -145,7 +164,7 @@ def measure(core: int, kind: str, load_core: int, seconds: float, block_ms: floa
         times, t_end = [], time.monotonic() + block_ms / 1e3
         while time.monotonic() < t_end:
             t0 = time.perf_counter_ns()
-            chunk(n)
+            released_chunk(n, release_every) if release_every else chunk(n)
             times.append(time.perf_counter_ns() - t0)
         blocks.append((loaded, times))
         block += 1
@@ -176,6 +195,8 @@ def main() -> None:
                     help="`recorder`: KV records a drain (the 1B default's ~100 ms on an H200: ~50,000)")
     ap.add_argument("--recorder-parts", default=",".join(RECORDER_PARTS),
                     help=f"`recorder`: which of its work it does, comma-separated, of {', '.join(RECORDER_PARTS)}")
+    ap.add_argument("--release-every", type=int, default=0, metavar="N",
+                    help="let the GIL go every N turns of the measured loop, as an engine's torch ops do (0: never)")
     args = ap.parse_args()
     parts = [x for x in args.recorder_parts.split(",") if x]
     if any(x not in RECORDER_PARTS for x in parts):
@@ -191,13 +212,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtrace-neighbours-", dir=args.dir) as folder:
         for kind in kinds:
             ratios, share = measure(args.core, kind, load_core, args.seconds, args.block_ms, args.chunk, folder,
-                                    args.records, parts)
+                                    args.records, parts, args.release_every)
             if not ratios:
                 print(f"{kind}: no complete pair of blocks (raise --seconds)")
                 continue
             mean, lo, hi = paired_ci(ratios)
             print(f"{kind}: chunk time on CPU {args.core} with CPU {load_core} loaded / idle: {mean:.4f} "
                   f"[{lo:.4f}, {hi:.4f}] over {len(ratios)} pairs of {args.block_ms:.0f} ms blocks"
+                  + (f", the GIL let go every {args.release_every} turns" if args.release_every else "")
                   + (f"; the recorder thread ({','.join(parts)}): its CPU {100 * share:.2f}% of the on blocks"
                      if share is not None else ""),
                   flush=True)

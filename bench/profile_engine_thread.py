@@ -63,7 +63,8 @@ run (switched off for good) spoils the comparison: the report says so.
 
 `--ab-calls` (with `--ab-blocks`) also times vLLM's own methods on the engine thread per call, each call
 in its block (AB_CALLS: the scheduler's `schedule` and `update_from_output`, the KV-cache manager's
-`allocate_slots`, the block pool's methods, the model runner's `execute_model`): kvtrace's patches are
+`allocate_slots`, the block pool's methods, the model runner's `execute_model` and the parts of its step:
+the inputs' preparation, the graph's replay, the sampling, the wait for its tokens): kvtrace's patches are
 in place in both kinds of block, so a method's time with kvtrace on minus off, over the same pairs, is
 what kvtrace adds inside it (its wrapper's handlers, its block-pool hooks, the worker's per-step hook),
 with an interval over the pairs; the timers' own cost (~0.3 us a call) is the same in both. It also reads
