@@ -490,19 +490,23 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         view = view[n:]
 
 
-def skip_kv_writes(recorder, what: str) -> None:
+def skip_kv_writes(recorder, what: str, ring=None) -> None:
     """`--skip-kv-writes all`: the drains' KV block records are not written to their frame files (the
     frame built, not written); `records`: neither they nor the layer timing records are handed to the
     recorder at all (the drain thread then does only the native drain: its CUDA copies and lap check; the
     writer's flushes only the host probes' tables). So an A/B with the drain thread's work in it
     (all-threads) tells what writing, and handing over, the records costs the engine thread. The rows are
     counted as written (all) or not at all (records); the session then lacks them (a benchmark's session
-    is thrown away)."""
+    is thrown away). `ring`: the process's KV ring, made before this, which took the recorder's two
+    methods when it was made."""
     if what not in SKIP_KV_WRITES:
         raise SystemExit(f"profile --skip-kv-writes: {what!r} is not one of {', '.join(SKIP_KV_WRITES)}")
     if what == "records":
-        recorder.append_kv_records = lambda *a, **k: None
-        recorder.append_timing_records = lambda *a, **k: None
+        def nothing(*a, **k):
+            return None
+        recorder.append_kv_records = recorder.append_timing_records = nothing
+        if ring is not None:
+            ring._append_records = ring._append_timings = nothing
         return
     writer = recorder.writers["kv_access_records"]
     writer._write_all = lambda parts: None
@@ -795,7 +799,7 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     if args.skip_kv_writes:
         if current_recorder() is None:
             raise SystemExit("profile --skip-kv-writes: no recorder in this process (run a recorded variant)")
-        skip_kv_writes(current_recorder(), args.skip_kv_writes)
+        skip_kv_writes(current_recorder(), args.skip_kv_writes, ring)
     pinned = pin_threads(args.pin) if args.pin else None
     load = None
     if args.ab_pause in LOADS:

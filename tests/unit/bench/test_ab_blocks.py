@@ -420,17 +420,23 @@ def test_skipping_the_kv_record_writes_leaves_the_other_tables_written(profile, 
 
 def test_skipping_the_records_hands_none_to_the_recorder(profile, tmp_path):
     """--skip-kv-writes records: neither a drain's block records nor its timing records reach the recorder
-    (no frame, no layer_timings row, none counted); the host probes' tables are written as usual."""
+    (no frame, no layer_timings row, none counted), from the recorder's methods or from a ring made before
+    the skip (which took those methods when it was made); the host probes' tables are written as usual."""
     import numpy as np
 
     from kvtrace.format.kv_records import REC_DTYPE, TIM_DTYPE
+    from kvtrace.probes.kv_access.ring import CPUKVAccessRing
     from kvtrace.record.recorder import Recorder
 
     rec = Recorder(tmp_path / "s", "test", {"flush_interval_s": 3600})
     try:
-        profile.skip_kv_writes(rec, "records")
+        ring = CPUKVAccessRing(capacity=1 << 12, block_size=4, granularity="blocks", layers="all", recorder=rec)
+        profile.skip_kv_writes(rec, "records", ring)
         rec.append_kv_records(np.zeros(1000, REC_DTYPE), (0, 0, 1.0))
         rec.append_timing_records(np.zeros(10, TIM_DTYPE), (0, 0, 1.0))
+        ring._emit_window(np.zeros(500, REC_DTYPE), 0, 500, timing=False, owned=True)
+        ring._emit_window(np.zeros(8, TIM_DTYPE), 0, 8, timing=True, owned=True)
+        assert ring.stats["kv_rows"] == 500 and ring.stats["timing_rows"] == 8  # drained, then handed to nothing
         rec.buffer("clock_anchors").append((1, 2, None, "host"))
         rec.flush()
         assert rec.rows_written["kv_access_records"] == 0 and rec.rows_written["layer_timings"] == 0
