@@ -24,6 +24,9 @@
 #                                                   # SKIP_KV_WRITES=records: no block or timing record handed over)
 #   AB_CALLS=1 AB_PAUSE=all-threads SKIP_KV_WRITES=records,none VARIANTS=default,default REPS=80 \
 #       bash bench/gpu_overhead.sh ab-gpus          # the same two at once, a GPU each (none: everything written)
+#                                                   # (a repetition takes 3.4-4.6 s with --ab-calls: REPS=110 fits
+#                                                   # the stage's 570 s on a slow host; a process stopped by the
+#                                                   # limit after its run still has its report, read from its result)
 #   AB_CALLS=1 AB_PAUSE=load-process VARIANTS=default REPS=45 bash bench/gpu_overhead.sh ab   # a writer-like load
 #                                                   # (copies and page-cache writes, LOAD_MB_S, default 33) in another
 #                                                   # process by blocks, kvtrace recording in both (load-thread: on a
@@ -108,8 +111,14 @@ for stage in "$@"; do
         done
         for i in "${!pids[@]}"; do
             wait "${pids[$i]}"
-            echo "=== ab-gpus gpu$i ${vs[$i]}: exit $?" >>"$OUT/ab-gpus-gpu$i-${vs[$i]}.log"
-            tail -n 3 "$OUT/ab-gpus-gpu$i-${vs[$i]}.log" | tee -a "$OUT/ab-gpus.log"
+            rc=$? log="$OUT/ab-gpus-gpu$i-${vs[$i]}.log" result="$OUT/ab-gpus/gpu$i/$SHAPE-${vs[$i]}.txt"
+            if [ "$rc" != 0 ] && [ -s "$result" ] && ! grep -q "paired over" "$log"; then
+                # stopped by the time limit after its engine run wrote its result (the session's close,
+                # the report): the report, read from the result
+                python3 bench/profile_engine_thread.py --pool "$result" >>"$log" 2>&1
+            fi
+            echo "=== ab-gpus gpu$i ${vs[$i]}: exit $rc" >>"$log"
+            tail -n 3 "$log" | tee -a "$OUT/ab-gpus.log"
         done
         [ "${#ps[@]}" -gt 1 ] || [ "${#ks[@]}" -gt 1 ] && vs=()  # different comparisons: nothing to pool
         for v in $(printf '%s\n' "${vs[@]}" | sort | uniq -d); do  # a variant on several GPUs: their pairs pooled
