@@ -105,7 +105,7 @@ for stage in "$@"; do
             CUDA_VISIBLE_DEVICES=$i timeout 570 taskset -c "$((i * n / k))-$(((i + 1) * n / k - 1))" \
                 python3 bench/profile_engine_thread.py --shape "$SHAPE" --variants "${vs[$i]}" --ab-blocks 16 \
                 --ab-pause "${ps[$i]:-${ps[0]}}" ${AB_CALLS:+--ab-calls} --reps "${REPS:-10}" --timeout 560 \
-                $(k=${ks[$i]:-${ks[0]}}; [ "$k" = none ] || echo --skip-kv-writes "$k") \
+                $(skip=${ks[$i]:-${ks[0]}}; [ "$skip" = none ] || echo --skip-kv-writes "$skip") \
                 --out "$OUT/ab-gpus/gpu$i" >"$OUT/ab-gpus-gpu$i-${vs[$i]}.log" 2>&1 &
             pids+=($!)
         done
