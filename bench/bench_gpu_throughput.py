@@ -84,6 +84,9 @@ VARIANTS = {
     "default-sample-64": ["--kv-sample-every", "64"],
     # the default granularity with the ring drained by Python (torch copies, NumPy) instead of _drain.c
     "default-python-drain": ["--options-json", '{"kv_native_drain": false}'],
+    # the default granularity with each drain one native call from the ring's Python thread, which then
+    # hands the records over in Python, instead of the drain loop in C that never takes the GIL
+    "default-drain-calls": ["--options-json", '{"kv_drain_loop": false}'],
     # the per-step machinery without most records (one step in 64): drained every 30 s (or when a
     # quarter full) instead of every 100 ms
     "sample-64-rare-drains": ["--kv-sample-every", "64", "--options-json", '{"kv_drain_interval_s": 30}'],

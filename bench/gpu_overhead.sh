@@ -69,7 +69,7 @@ for stage in "$@"; do
     case $stage in
     ring)
         run ring 300 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_device_ring.py \
-            tests/unit/probes/test_kv_drain_native.py tests/unit/probes/test_kv_ring.py ;;
+            tests/unit/probes/test_kv_drain_native.py tests/unit/probes/test_kv_drain_loop.py tests/unit/probes/test_kv_ring.py ;;
     vllm)
         run vllm 560 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_vllm_cuda.py \
             -k "${CASES:-v2-default-flash or v1-default-flash or v2-eager-flash}" ;;

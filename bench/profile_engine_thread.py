@@ -133,7 +133,9 @@ def kvtrace_threads_cpu_s() -> tuple[float, float]:
 
     rec = current_recorder()
     ring = kv_ring()
-    return (ring.stats.get("thread_cpu_s", 0.0) if ring is not None else 0.0,
+    drainer = getattr(ring, "_drainer", None)  # the drain loop in C reads its clock at every drain
+    return (drainer.thread_cpu_s() if drainer is not None else ring.stats.get("thread_cpu_s", 0.0) if ring is not None
+            else 0.0,
             rec.writer_cpu_s if rec is not None else 0.0)
 
 
@@ -357,6 +359,10 @@ class ThreadHold:
                 if callable(getattr(obj, name, None)):
                     self._shadow(obj, name)
         self.names = [f"{type(obj).__name__}.{name}" for obj, name, _ in self._shadowed]  # what was held
+        # the ring's drain loop in C (no Python method to shadow): held by its own switch
+        self._drainer = getattr(ring, "_drainer", None) if ring is not None else None
+        if self._drainer is not None:
+            self.names.append("Drainer (native loop)")
 
     def _shadow(self, obj: object, name: str) -> None:
         orig = getattr(obj, name)
@@ -380,6 +386,8 @@ class ThreadHold:
             if run == self._run:
                 return
             self._run = run
+            if self._drainer is not None:  # held: waits for a drain under way, as below
+                self.waited_s += self._drainer.hold(not run, self.WAIT_S)
             if run:
                 self._cv.notify_all()
                 return
@@ -411,6 +419,10 @@ class ThreadWork:
         self.spans: dict[str, list[tuple[int, int]]] = {kind: [] for kind, _, _ in self.KINDS}
         self._shadowed: list[tuple[object, str]] = []
         objs = {"ring": ring, "recorder": recorder}
+        # the ring's drain loop in C keeps its own spans (each drain: wait, copy, frame write, whole)
+        self._drainer = getattr(ring, "_drainer", None) if ring is not None else None
+        if self._drainer is not None:
+            self._drainer.spans(True)
         for kind, owner, names in self.KINDS:
             obj = objs[owner]
             for name in names if obj is not None else ():
@@ -434,6 +446,9 @@ class ThreadWork:
         for obj, name in self._shadowed:
             vars(obj).pop(name, None)
         self._shadowed.clear()
+        if self._drainer is not None:
+            self.spans["drain"] += self._drainer.spans(False)
+            self._drainer = None
 
 
 # --pin: where the engine thread and kvtrace's background threads run, to tell apart two ways the writer's
@@ -509,7 +524,14 @@ def skip_kv_writes(recorder, what: str, ring=None) -> None:
             ring._append_records = ring._append_timings = nothing
         return
     writer = recorder.writers["kv_access_records"]
-    writer._write_all = lambda parts: None
+    writer._write_all = lambda parts, *where: None
+    from kvtrace.probes.kv_access.ring import native_drain
+
+    if native_drain is not None and hasattr(native_drain, "FrameSink"):
+        # the ring's drain loop writes its frames itself, through a sink: to /dev/null (built, not kept)
+        null_sink = native_drain.FrameSink()
+        null_sink.swap(os.open(os.devnull, os.O_WRONLY), 0)
+        writer.native_sink = lambda make_sink: null_sink
 
 
 # --ab-pause load-thread / load-process: a load shaped like the shard writer's KV record work (a copy of each

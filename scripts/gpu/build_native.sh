@@ -12,7 +12,7 @@ suffix=$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))
 include=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 for ext in kvtrace/record/_columns kvtrace/probes/kv_access/_drain; do
     if [ "src/$ext.c" -nt "src/$ext$suffix" ] || ! $PY -c "import ${ext//\//.}" 2>/dev/null; then
-        gcc -O2 -std=c99 -shared -fPIC -I"$include" "src/$ext.c" -o "src/$ext$suffix" >>"$OUT/install.log" 2>&1 \
+        gcc -O2 -std=c99 -shared -fPIC -pthread -I"$include" "src/$ext.c" -o "src/$ext$suffix" >>"$OUT/install.log" 2>&1 \
             || echo "build_native: src/$ext.c did not build (see $OUT/install.log); Python code is used" >&2
     fi
 done

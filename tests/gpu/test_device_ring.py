@@ -39,14 +39,20 @@ pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda", torch.cuda.current_device())
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
+@pytest.fixture(autouse=True, params=["loop", "native", "python"])
 def drain_path(request, monkeypatch):
-    """Every test through both drains: the native one (_drain.c: waits, copies and lap check in one call
-    without the GIL, used where it builds) and the Python one (torch copies, NumPy)."""
+    """Every test through the three drains: the loop in C that never takes the GIL (_drain.c's Drainer,
+    used where it builds), one native call a drain from the ring's Python thread (waits, copies and lap
+    check without the GIL, the records handed over in Python), and the Python one (torch copies, NumPy)."""
+    from kvtrace.probes.kv_access import cuda_ring
     from kvtrace.probes.kv_access import ring as ring_module
 
-    if request.param == "native" and ring_module.native_drain is None:
+    if request.param in ("loop", "native") and ring_module.native_drain is None:
         pytest.skip("the native drain (_drain.c) is not built here")
+    if request.param == "loop" and not hasattr(ring_module.native_drain, "Drainer"):
+        pytest.skip("this _drain.c build has no drain loop")
+    if request.param == "native":
+        monkeypatch.setattr(cuda_ring, "DRAIN_LOOP", False)
     if request.param == "python":
         monkeypatch.setattr(ring_module, "native_drain", None)
     return request.param
@@ -358,7 +364,7 @@ def test_the_drain_waits_for_the_gpu_asleep_and_without_the_gil(drain_path):
     def wait():
         sys.setprofile(lambda frame, event, arg: calls.append(event) if event in ("call", "c_call") else None)
         t0 = time.thread_time()
-        if drain_path == "native":
+        if drain_path in ("loop", "native"):  # the loop's drain is this call's work, in C
             g._drain_native(slot)
         else:
             CudaKVAccessRing._wait(g._copy_event)
@@ -391,13 +397,31 @@ def test_a_drain_that_fails_counts_what_it_loses(drain_path):
         meta = make_metadata(rng, num_reqs=3)
         g.record_layer(layer, *on_dev(meta))
         expected += expected_rows(0, layer, meta, 16)
-    # fails once the heads are known: after the copy (Python) or the native call
-    assert (g._cu_fns is not None) == (drain_path == "native")
-    name = "_emit_native" if drain_path == "native" else "_drain_to"
-    real = getattr(g, name)
-    setattr(g, name, lambda *a: (_ for _ in ()).throw(RuntimeError("injected drain failure")))
-    g.flush()
-    setattr(g, name, real)
+    # fails once the heads are known: after the copy (Python), the native call, or in the loop the copy
+    # of the ring itself (the driver's copy, wrapped before the loop starts at the flush)
+    assert (g._cu_fns is not None) == (drain_path != "python")
+    if drain_path == "loop":
+        import ctypes
+
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+        real_copy, failing = proto(g._cu_fns[2]), [True]
+        rings_at = [(t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (g._ring, g._tring)]
+
+        def copy(dst, src, n, stream):
+            if failing[0] and any(lo <= src < hi for lo, hi in rings_at):
+                return 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+            return real_copy(dst, src, n, stream)
+
+        g._copy_fn = proto(copy)  # kept alive as long as the ring
+        g._cu_fns = (g._cu_fns[0], g._cu_fns[1], ctypes.cast(g._copy_fn, ctypes.c_void_p).value, g._cu_fns[3])
+        g.flush()
+        failing[0] = False
+    else:
+        name = "_emit_native" if drain_path == "native" else "_drain_to"
+        real = getattr(g, name)
+        setattr(g, name, lambda *a: (_ for _ in ()).throw(RuntimeError("injected drain failure")))
+        g.flush()
+        setattr(g, name, real)
     assert rg.dropped["kv_access"] == {"drain-error": len(expected)}
     assert rg.dropped["layer_timings"] == {"drain-error": 3}
     assert any("drain failed" in w for w in rg.warnings)

@@ -85,6 +85,8 @@ CASES = [
 OPTION_RUNS = {
     "every-layer": ({"kv_share_layers": False}, ("v2-default-flash", "v2-eager-triton")),
     "overlap": ({"kv_overlap": True}, ("v2-default-flash", "v2-full-triton")),
+    # each drain one native call from the ring's Python thread, not the drain loop in C (the default)
+    "drain-calls": ({"kv_drain_loop": False}, ("v2-default-flash",)),
 }
 RUNS = [(name, engine_args, env, {}) for name, engine_args, env in CASES] + [
     (f"{name}-{suffix}", engine_args, env, options) for suffix, (options, names) in OPTION_RUNS.items()

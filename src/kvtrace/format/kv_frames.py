@@ -11,7 +11,9 @@ take it back per batch, each a wait for the engine's thread; written as they are
               u64 records, i32 copies[], records (REC_DTYPE, little-endian)
 
 Like a shard (format/sealed_files.py), a file being written is `<table>.<seq>.kvframes.partial`; closing
-writes END_MAGIC and renames it `.kvframes`. Each frame goes out in one `writev` and a failed one is cut
+writes END_MAGIC and renames it `.kvframes`. A CUDA ring's drain loop, which runs without the GIL, writes
+its frames itself through the writer's native sink (`FrameWriter.native_sink`, `_drain.FrameSink`: the same
+frames, under the sink's lock); the files' life (open, header, rotation, seal) stays here. Each frame goes out in one `writev` and a failed one is cut
 back, so a killed process leaves whole frames and at most a detectable cut tail. The reader yields the same
 `kv_access_records` batches a shard of them holds (the checks of their values stay with the decoding,
 kv_records.iter_kv_records), each of at most BATCH_BYTES of records, whatever a frame claims.
@@ -20,9 +22,10 @@ kv_records.iter_kv_records), each of at most BATCH_BYTES of records, whatever a 
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -54,11 +57,94 @@ class FrameWriter(SealedFileWriter):
 
     def __init__(self, directory: Path, rotate_bytes: int, rotate_s: float):
         super().__init__(directory, TABLE, rotate_bytes, rotate_s)
+        self._sink = None          # a _drain.FrameSink, once a drain loop asked for one (native_sink)
+        self._sink_owns = False    # the sink writes the open file (every frame goes through it)
 
     @property
     def frames(self) -> int:
         """Frames written, all files (proc.json's rows_written: a drain each)."""
-        return self.pieces
+        return self.pieces + (self._sink.counts()["frames_total"] if self._sink is not None else 0)
+
+    @property
+    def bytes_total(self) -> int:
+        return self._bytes_written + (self._sink.counts()["bytes_total"] if self._sink is not None else 0)
+
+    @property
+    def open_rows(self) -> int:
+        if self._sink_owns:
+            return self._rows + self._sink.counts()["file_records"]
+        return super().open_rows
+
+    def native_sink(self, make_sink: Any):
+        """The sink a native drain loop writes its frames through, made once by `make_sink()` (the drain
+        module's `FrameSink`, which the caller has), handed the open file (opened now if none is). Raises
+        OSError when no file can be opened. From then on every frame of this writer goes through the sink,
+        until `close`."""
+        with self._lock:
+            if self._sink is None:
+                self._sink = make_sink()
+            if not self._sink_owns:
+                if self.broken:
+                    raise OSError(f"{self._path}: {self.kind} left incomplete by an earlier write error")
+                if self._fd is None:
+                    self._open()
+                self._sink.swap(self._fd, self._bytes)
+                self._sink_owns = True
+            return self._sink
+
+    def sink_drops(self) -> tuple[int, str, int]:
+        """(frames' records the sink counted lost since the last call, their cause, errno of a failed
+        write or 0): the recorder's flush counts them."""
+        return self._sink.take() if self._sink is not None else (0, "", 0)
+
+    def stop_sink(self, cause: str) -> None:
+        """The recorder stopped writing: the sink counts its frames' records lost under `cause`."""
+        if self._sink is not None:
+            self._sink.stop(cause)
+
+    def rotate_if_old(self) -> None:
+        """Also past `rotate_bytes` while the sink writes (its frames do not pass through `_append`)."""
+        if not self._sink_owns:
+            return super().rotate_if_old()
+        with self._lock:
+            if self._sink_owns and (time.monotonic() - self._opened_at >= self.rotate_s
+                                    or self._sink.counts()["file_bytes"] >= self.rotate_bytes):
+                self._rotate_sink()
+
+    def roll(self) -> None:
+        if not self._sink_owns:
+            return super().roll()
+        with self._lock:
+            if self._sink_owns:
+                self._rotate_sink()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sink_owns:  # the sink gives the file back and writes no more (its frames: take())
+                self._sink_owns = False
+                self._seal_from_sink(self._sink.swap(-1, 0), self._path, self._rows)
+                self._fd = None
+            else:
+                self._close()
+
+    def _rotate_sink(self) -> None:
+        """A new file for the sink, then the old one sealed (the sink never writes it again). Lock held."""
+        old = (self._fd, self._path, self._bytes, self._rows, self._opened_at)
+        self._fd = None
+        try:
+            self._open()
+        except OSError:  # no room for a new file: the sink keeps writing the old one
+            self._fd, self._path, self._bytes, self._rows, self._opened_at = old
+            return
+        given_back = self._sink.swap(self._fd, self._bytes)
+        self._seal_from_sink(given_back, old[1], old[3])
+
+    def _seal_from_sink(self, given_back: tuple, path: Path, rows: int) -> None:
+        """Seal the file the sink gave back, (fd, bytes, frames, records, broken): `rows` written to it
+        before the sink took it, and the sink's records."""
+        fd, size, _frames, records, broken = given_back
+        if fd >= 0:
+            self._seal(fd, path, size, rows + records, bool(broken))
 
     def header(self) -> bytes:
         return FILE_HEADER.pack(FILE_MAGIC, VERSION, REC_DTYPE.itemsize)
@@ -69,9 +155,13 @@ class FrameWriter(SealedFileWriter):
         flattened). Returns the bytes written. Raises OSError on disk trouble."""
         body = memoryview(np.ascontiguousarray(recs)).cast("B")
         rows = len(body) // REC_DTYPE.itemsize
-        head = FRAME_HEADER.pack(FRAME_MAGIC, len(copies), int(clock[0]), int(clock[1]), float(clock[2]),
-                                 rows) + struct.pack(f"<{len(copies)}i", *copies)
-        return self._append([head, body], rows)  # the GIL let go once, for the whole frame
+        with self._lock:  # the sink takes and gives back the file under this lock: one writer at a time
+            if self._sink_owns:  # the sink writes the file (a write it cannot make it counts as lost)
+                self._sink.write(body, int(clock[0]), int(clock[1]), float(clock[2]), copies)
+                return len(body)
+            head = FRAME_HEADER.pack(FRAME_MAGIC, len(copies), int(clock[0]), int(clock[1]), float(clock[2]),
+                                     rows) + struct.pack(f"<{len(copies)}i", *copies)
+            return self._append_locked([head, body], rows)  # the GIL let go once, for the whole frame
 
 
 # ---- reading (in ingest) -----------------------------------------------------------------------------

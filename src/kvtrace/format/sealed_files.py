@@ -37,7 +37,7 @@ class SealedFileWriter:
         self.seq = 0
         self.closed_shards: list[tuple[Path, int]] = []  # (path, rows), oldest first
         self.broken = False
-        self.bytes_total = 0  # bytes written, all files (for the max-size forecast)
+        self._bytes_written = 0  # bytes this object wrote, all files (bytes_total adds a native sink's)
         self.pieces = 0  # pieces written, all files
         self._fd: int | None = None
         self._path: Path | None = None
@@ -51,6 +51,11 @@ class SealedFileWriter:
         raise NotImplementedError
 
     @property
+    def bytes_total(self) -> int:
+        """Bytes written, all files (for the max-size forecast)."""
+        return self._bytes_written
+
+    @property
     def open_rows(self) -> int:
         """Rows in the file being written (0 when none is open)."""
         return self._rows if self._fd is not None else 0
@@ -59,18 +64,22 @@ class SealedFileWriter:
         """Write one piece (`parts`, bytes-like, written back to back) holding `rows` rows; returns its
         bytes. Rotates past `rotate_bytes` or `rotate_s`. Raises OSError on disk trouble."""
         with self._lock:
-            if self._fd is None:
-                self._open()
-            if self.broken:
-                raise OSError(f"{self._path}: {self.kind} left incomplete by an earlier write error")
-            self._write_all(parts)
-            size = sum(memoryview(p).nbytes for p in parts)
-            self._bytes += size
-            self.bytes_total += size
-            self._rows += rows
-            self.pieces += 1
-            if self._bytes >= self.rotate_bytes or time.monotonic() - self._opened_at >= self.rotate_s:
-                self._close()
+            return self._append_locked(parts, rows)
+
+    def _append_locked(self, parts: list, rows: int) -> int:
+        """`_append` with the lock held."""
+        if self._fd is None:
+            self._open()
+        if self.broken:
+            raise OSError(f"{self._path}: {self.kind} left incomplete by an earlier write error")
+        self._write_all(parts)
+        size = sum(memoryview(p).nbytes for p in parts)
+        self._bytes += size
+        self._bytes_written += size
+        self._rows += rows
+        self.pieces += 1
+        if self._bytes >= self.rotate_bytes or time.monotonic() - self._opened_at >= self.rotate_s:
+            self._close()
         return size
 
     def rotate_if_old(self) -> None:
@@ -83,6 +92,10 @@ class SealedFileWriter:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+    def roll(self) -> None:
+        """Seal the open file now (max-size's drop-oldest: the next piece starts a new one)."""
+        self.close()
 
     def _open(self) -> None:
         self._path = self.directory / f"{self.table}.{self.seq:05d}{self.suffix}{OPEN_SUFFIX}"
@@ -98,14 +111,17 @@ class SealedFileWriter:
             self._path.unlink(missing_ok=True)
             raise
         self._bytes, self._rows, self._opened_at = len(header), 0, time.monotonic()
-        self.bytes_total += len(header)
+        self._bytes_written += len(header)
 
-    def _write_all(self, parts: list) -> None:
-        """Write all of `parts` or nothing: on an error (disk full) cut the file back to where it was."""
+    def _write_all(self, parts: list, fd: int | None = None, size: int | None = None) -> None:
+        """Write all of `parts` or nothing to `fd` (the open file's by default), whose `size` bytes so far
+        (the open file's) are where an error (disk full) cuts it back to."""
+        fd = self._fd if fd is None else fd
+        size = self._bytes if size is None else size
         views = [memoryview(p).cast("B") for p in parts]
         try:
             while views:
-                done = os.writev(self._fd, views)
+                done = os.writev(fd, views)
                 while views and done >= len(views[0]):
                     done -= len(views[0])
                     views.pop(0)
@@ -113,8 +129,8 @@ class SealedFileWriter:
                     views[0] = views[0][done:]
         except OSError:
             try:
-                os.ftruncate(self._fd, self._bytes)
-                os.lseek(self._fd, self._bytes, os.SEEK_SET)
+                os.ftruncate(fd, size)
+                os.lseek(fd, size, os.SEEK_SET)
             except OSError:
                 self.broken = True  # a cut tail stays: the file is left `.partial`
             raise
@@ -122,17 +138,22 @@ class SealedFileWriter:
     def _close(self) -> None:
         if self._fd is None:
             return
+        fd, self._fd = self._fd, None
+        self._seal(fd, self._path, self._bytes, self._rows, self.broken)
+
+    def _seal(self, fd: int, path: Path, size: int, rows: int, broken: bool) -> None:
+        """Write the end marker after the file's `size` bytes and rename `path` to its sealed name, unless
+        the file is `broken` (then it stays `.partial`, whole up to its last piece); close `fd` either way."""
         try:
-            if self.broken:  # never seal a file with a torn piece in it: readers stop at its last whole one
+            if broken:  # never seal a file with a torn piece in it: readers stop at its last whole one
                 return
             try:
-                self._write_all([self.end_marker])
+                self._write_all([self.end_marker], fd, size)
             except OSError:  # no room for the marker: the file stays `.partial`, whole up to its last piece
                 return
-            self.bytes_total += len(self.end_marker)
-            final = self._path.with_name(self._path.name[: -len(OPEN_SUFFIX)])
-            os.replace(self._path, final)
-            self.closed_shards.append((final, self._rows))
+            self._bytes_written += len(self.end_marker)
+            final = path.with_name(path.name[: -len(OPEN_SUFFIX)])
+            os.replace(path, final)
+            self.closed_shards.append((final, rows))
         finally:
-            os.close(self._fd)
-            self._fd = None
+            os.close(fd)

@@ -243,6 +243,29 @@ class Recorder:
             self._stop_writing("writer-error", f"cannot write KV record frames in {self.dir}: {exc}")
             self.count_drop("kv_access_records", n, "writer-error")
 
+    def kv_frame_sink(self, make_sink: Any) -> Any:
+        """The sink a CUDA ring's native drain loop writes its frames through, without the GIL
+        (`FrameWriter.native_sink`; `make_sink`: the drain module's FrameSink); None where no frame file can
+        be opened (the loop then leaves its records for `append_kv_records`). Records it cannot write it
+        counts as lost, and this recorder's flush reports them (`_take_sink_drops`)."""
+        writer = self.writers[FRAMES_TABLE]
+        try:
+            sink = writer.native_sink(make_sink)
+        except OSError as exc:
+            self._stop_writing("writer-error", f"cannot write KV record frames in {self.dir}: {exc}")
+            return None
+        if sink is not None and self.stopped_reason is not None:
+            sink.stop(self.stopped_reason)
+        return sink
+
+    def _take_sink_drops(self) -> None:
+        """What the frame sink counted as lost since the last flush, and why."""
+        n, cause, err = self.writers[FRAMES_TABLE].sink_drops()
+        if err:
+            self._stop_writing("writer-error", f"cannot write KV record frames in {self.dir}: {os.strerror(err)}")
+        if n:
+            self.count_drop(FRAMES_TABLE, n, cause or "writer-error")
+
     def append_timing_records(self, recs: Any, clock: tuple[int, int, float], owned: bool = False) -> None:
         """A KV access ring's drained layer timing records (format/kv_records.py TIM_DTYPE), held as they
         are until the flush decodes all of its drains' into `layer_timings` rows at once. `owned`: as for
@@ -316,6 +339,7 @@ class Recorder:
         return rows
 
     def _flush_locked(self) -> None:
+        self._take_sink_drops()
         for table in schema.SHARD_TABLES:
             rows = self._take(table)
             if not rows:
@@ -354,6 +378,7 @@ class Recorder:
     def _stop_writing(self, cause: str, message: str) -> None:
         if self.stopped_reason is None:
             self.stopped_reason = cause
+            self.writers[FRAMES_TABLE].stop_sink(cause)  # frames a drain loop writes are counted lost too
             self.warn(f"stopped recording: {message}; further rows are counted as lost")
 
     def _enforce_max_size(self) -> None:
@@ -402,7 +427,7 @@ class Recorder:
             # What is left of ours is in open shards: close them, so the next flush can drop them.
             for table, w in self.writers.items():
                 if table not in KEEP_TABLES and w.open_rows:
-                    w.close()
+                    w.roll()
 
     def _hold_drops(self, rows: list) -> None:
         for _ts, table, n, cause in rows:
@@ -452,6 +477,10 @@ class Recorder:
         self._closed = True
         self._stop.set()
         with self._lock:
+            try:  # first the frame file a drain loop writes: what the sink counted lost is then final
+                self.writers[FRAMES_TABLE].close()
+            except OSError:
+                pass
             self._flush_locked()
             self._write_held_drops()
             for w in self.writers.values():

@@ -16,9 +16,14 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
 
 #define REC_BYTES 32
 #define META_OFFSET 24
@@ -348,6 +353,932 @@ static PyObject *state_launch(PyObject *mod, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* ---- the drain loop: timed drains on a thread that never takes the GIL --------------------------------
+
+   Each drain that comes back to Python costs the engine's thread GIL hand-overs: the drain thread takes
+   the GIL back after its native drain and again after writing the frame, with Python work between, and
+   the engine waits for it each time (on a host-bound 1B engine the steps during a drain's hand-over ran
+   5% slower than the others). `Drainer.run` instead stays in C, without the GIL, for as long as the
+   caller asks: it waits for the next timed drain or a requested one, drains, writes the block records as
+   a frame through a `FrameSink` (format/kv_frames.py's layout) and keeps the timing records, and comes
+   back only at the caller's deadline (the ring's clock anchors, every few seconds) or when stopped. What
+   needs Python (timing records, counts, errors, block records with no sink to write them) waits in the
+   Drainer until `take()`. */
+
+/* ---- FrameSink: the open frame file, written by C ---------------------------------------------------- */
+
+#define FRAME_HEADER_BYTES 40
+#define MAX_COPY_INTS 1024 /* 2 x kv_records.MAX_COPIES */
+
+typedef struct {
+    char magic[4];
+    uint32_t copies;
+    int64_t dev_ref, host_ref;
+    double slope;
+    uint64_t records;
+} FrameHeader; /* "<4sIqqdQ": no padding, little-endian on the hosts kvtrace runs on */
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    int fd;                                 /* -1: no file (writes answer SINK_NO_FILE) */
+    long long file_bytes, file_frames, file_records;
+    int broken;                             /* a failed write could not be cut back: never seal the file */
+    long long frames_total, bytes_total, records_total;
+    char stop_cause[48];                    /* "" while writing; else records are counted lost under it */
+    long long dropped;                      /* records counted lost since the last take() */
+    int err;                                /* errno of a failed write not yet taken (0: none) */
+} FrameSink;
+
+enum { SINK_WRITTEN = 0, SINK_DROPPED = 1, SINK_NO_FILE = 2 };
+
+static int sink_init(FrameSink *self, PyObject *args, PyObject *kw) {
+    if (!PyArg_ParseTuple(args, ""))
+        return -1;
+    pthread_mutex_init(&self->mu, NULL);
+    self->fd = -1;
+    return 0;
+}
+
+static void sink_dealloc(FrameSink *self) {
+    pthread_mutex_destroy(&self->mu);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Write all of iov or nothing; 0 or an errno. */
+static int write_all(int fd, struct iovec *iov, int n) {
+    while (n > 0) {
+        ssize_t done = writev(fd, iov, n);
+        if (done < 0) {
+            if (errno == EINTR)
+                continue;
+            return errno;
+        }
+        if (done == 0)
+            return ENOSPC;
+        while (n > 0 && (size_t)done >= iov[0].iov_len) {
+            done -= (ssize_t)iov[0].iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0) {
+            iov[0].iov_base = (char *)iov[0].iov_base + done;
+            iov[0].iov_len -= (size_t)done;
+        }
+    }
+    return 0;
+}
+
+/* One frame: its header, the copies and `rows` records of 32 bytes. Whole or cut back, under the sink's
+   lock; a failure stops the sink (cause writer-error) and counts the frame's records lost. No GIL needed. */
+static int sink_write_frame(FrameSink *s, const int64_t clock_ns[2], double slope, const int32_t *copies,
+                            int ncopies, const char *recs, long long rows) {
+    FrameHeader h;
+    memcpy(h.magic, "KVRF", 4);
+    h.copies = (uint32_t)ncopies;
+    h.dev_ref = clock_ns[0];
+    h.host_ref = clock_ns[1];
+    h.slope = slope;
+    h.records = (uint64_t)rows;
+    struct iovec iov[3] = {{&h, sizeof h}, {(void *)copies, (size_t)ncopies * 4}, {(void *)recs, (size_t)rows * REC_BYTES}};
+    size_t total = sizeof h + iov[1].iov_len + iov[2].iov_len;
+    int result = SINK_WRITTEN;
+    pthread_mutex_lock(&s->mu);
+    if (s->fd < 0) {
+        result = SINK_NO_FILE;
+    } else if (s->stop_cause[0] || s->broken) {
+        if (!s->stop_cause[0])
+            strcpy(s->stop_cause, "writer-error");
+        s->dropped += rows;
+        result = SINK_DROPPED;
+    } else {
+        int e = write_all(s->fd, iov, 3);
+        if (e) {
+            if (ftruncate(s->fd, (off_t)s->file_bytes) != 0 || lseek(s->fd, (off_t)s->file_bytes, SEEK_SET) < 0)
+                s->broken = 1; /* a cut tail stays: readers stop at the last whole frame */
+            strcpy(s->stop_cause, "writer-error");
+            if (!s->err)
+                s->err = e;
+            s->dropped += rows;
+            result = SINK_DROPPED;
+        } else {
+            s->file_bytes += (long long)total;
+            s->file_frames++;
+            s->file_records += rows;
+            s->frames_total++;
+            s->bytes_total += (long long)total;
+            s->records_total += rows;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return result;
+}
+
+static int parse_copies(PyObject *seq, int32_t *out, int *n) {
+    PyObject *fast = PySequence_Fast(seq, "copies must be a sequence of ints");
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+    if (len > MAX_COPY_INTS || len % 2) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "copies: %zd ints (pairs, at most %d)", len, MAX_COPY_INTS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(fast, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        out[i] = (int32_t)v;
+    }
+    *n = (int)len;
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* write(records, dev_ref, host_ref, slope, copies) -> SINK_* : one frame from Python (GIL let go). */
+static PyObject *sink_write(FrameSink *self, PyObject *args) {
+    Py_buffer recs;
+    long long dev_ref, host_ref;
+    double slope;
+    PyObject *copies_obj;
+    int32_t copies[MAX_COPY_INTS];
+    int ncopies = 0;
+    if (!PyArg_ParseTuple(args, "y*LLdO", &recs, &dev_ref, &host_ref, &slope, &copies_obj))
+        return NULL;
+    if (recs.len % REC_BYTES || parse_copies(copies_obj, copies, &ncopies) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "write: %zd bytes is not a whole number of %d-byte records", recs.len, REC_BYTES);
+        PyBuffer_Release(&recs);
+        return NULL;
+    }
+    int64_t clock[2] = {dev_ref, host_ref};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = sink_write_frame(self, clock, slope, copies, ncopies, recs.buf, recs.len / REC_BYTES);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&recs);
+    return PyLong_FromLong(rc);
+}
+
+/* swap(fd, file_bytes) -> (old fd, its bytes, frames, records, broken): hand the sink another file (-1: none)
+   and return the one it had, which it never writes again. */
+static PyObject *sink_swap(FrameSink *self, PyObject *args) {
+    int fd;
+    long long bytes;
+    if (!PyArg_ParseTuple(args, "iL", &fd, &bytes))
+        return NULL;
+    pthread_mutex_lock(&self->mu);
+    PyObject *old = Py_BuildValue("(iLLLi)", self->fd, self->file_bytes, self->file_frames, self->file_records, self->broken);
+    self->fd = fd;
+    self->file_bytes = fd < 0 ? 0 : bytes;
+    self->file_frames = self->file_records = 0;
+    self->broken = 0;
+    pthread_mutex_unlock(&self->mu);
+    return old;
+}
+
+/* stop(cause): from now on records are counted lost under `cause` (the first cause stays). */
+static PyObject *sink_stop(FrameSink *self, PyObject *args) {
+    const char *cause;
+    if (!PyArg_ParseTuple(args, "s", &cause))
+        return NULL;
+    pthread_mutex_lock(&self->mu);
+    if (!self->stop_cause[0]) {
+        strncpy(self->stop_cause, cause, sizeof self->stop_cause - 1);
+        self->stop_cause[sizeof self->stop_cause - 1] = 0;
+    }
+    pthread_mutex_unlock(&self->mu);
+    Py_RETURN_NONE;
+}
+
+/* take() -> (records lost since the last take, their cause, errno of a failed write or 0) */
+static PyObject *sink_take(FrameSink *self, PyObject *unused) {
+    pthread_mutex_lock(&self->mu);
+    PyObject *r = Py_BuildValue("(Lsi)", self->dropped, self->stop_cause, self->err);
+    self->dropped = 0;
+    self->err = 0;
+    pthread_mutex_unlock(&self->mu);
+    return r;
+}
+
+static PyObject *sink_counts(FrameSink *self, PyObject *unused) {
+    pthread_mutex_lock(&self->mu);
+    PyObject *r = Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:i,s:i}", "frames_total", self->frames_total, "bytes_total",
+                                self->bytes_total, "records_total", self->records_total, "file_bytes", self->file_bytes,
+                                "file_records", self->file_records, "fd", self->fd, "broken", self->broken);
+    pthread_mutex_unlock(&self->mu);
+    return r;
+}
+
+static PyMethodDef sink_methods[] = {
+    {"write", (PyCFunction)sink_write, METH_VARARGS,
+     "write(records, dev_ref, host_ref, slope, copies) -> 0 written, 1 counted lost, 2 no file: one frame."},
+    {"swap", (PyCFunction)sink_swap, METH_VARARGS,
+     "swap(fd, file_bytes) -> (old fd, bytes, frames, records, broken): write another file from now on."},
+    {"stop", (PyCFunction)sink_stop, METH_VARARGS, "stop(cause): count records lost under cause from now on."},
+    {"take", (PyCFunction)sink_take, METH_NOARGS, "take() -> (records lost since the last take, cause, errno)."},
+    {"counts", (PyCFunction)sink_counts, METH_NOARGS,
+     "counts() -> {frames_total, bytes_total, records_total, file_bytes, file_records, fd, broken}."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FrameSinkType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtrace.probes.kv_access._drain.FrameSink",
+    .tp_basicsize = sizeof(FrameSink),
+    .tp_dealloc = (destructor)sink_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A frame file's writer for threads without the GIL (format/kv_frames.py's frames); the file's "
+              "life (open, header, seal) stays with FrameWriter.",
+    .tp_methods = sink_methods,
+    .tp_init = (initproc)sink_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ---- Drainer ----------------------------------------------------------------------------------------- */
+
+#define STASH_MAX_BYTES (64LL << 20) /* records kept for take() beyond this are counted lost (buffer-cap) */
+#define MAX_SPANS 65536
+
+typedef struct {
+    char *data;
+    size_t len, cap;
+} Buf;
+
+static int buf_reserve(Buf *b, size_t more) {
+    if (b->len + more <= b->cap)
+        return 0;
+    size_t cap = b->cap ? b->cap : 4096;
+    while (cap < b->len + more)
+        cap *= 2;
+    char *d = realloc(b->data, cap);
+    if (d == NULL)
+        return -1;
+    b->data = d;
+    b->cap = cap;
+    return 0;
+}
+
+/* A chunk kept for take(): header, then (block chunks) the copies, then the records. */
+typedef struct {
+    int64_t dev_ref, host_ref;
+    double slope;
+    int64_t n;       /* records */
+    int64_t ncopies; /* ints after the header (blocks only; 0 for timings) */
+} ChunkHeader;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    event_sync_fn sync;
+    event_record_fn record;
+    memcpy_dtoh_async_fn copy;
+    uint64_t snap_host, state, live_host; /* snapshot slots (8 words each), the device state words, live copy */
+    int timed_slot;
+    void *timed_event, *stream, *copy_event;
+    int head_word[2], live_word[2];
+    RingWindow w[2]; /* [0] block records, [1] timing records: dev, stage, tail, cap */
+    int log2cap[2];
+    PyObject *sink;  /* FrameSink or NULL: block records are then kept for take() */
+    /* what frames carry */
+    int64_t clock[2];
+    double slope;
+    int32_t copies[MAX_COPY_INTS];
+    int ncopies;
+    /* when to drain */
+    int auto_drain;
+    double every_s, min_s, fill_s, next_drain;
+    double mark_t;
+    long long mark[2];
+    int have_mark;
+    /* requests (from any thread): the newest explicit snapshot waits here */
+    int pending_slot;
+    void *pending_event;
+    long long req_seq, done_seq;
+    int stop, held, busy, running;
+    /* kept for take() */
+    Buf blocks, timings;
+    char *kbuf, *tbuf; /* the kept records of the drain under way (the loop's thread only) */
+    size_t kcap, tcap;
+    /* since the last take() */
+    long long drains, kv_rows, timing_rows, kv_wrap, timing_wrap, kv_error, timing_error, kv_cap, timing_cap, errors;
+    double drain_s;
+    double thread_cpu_s; /* the loop's thread's CPU clock after its last drain (absolute) */
+    int err_rc;
+    char err_where[96];
+    /* drain spans (start, end CLOCK_MONOTONIC ns) for benchmarks, when asked */
+    int spans_on;
+    long long *spans;
+    size_t nspans;
+} Drainer;
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static long long mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static int log2_of(long long cap) {
+    int k = 0;
+    while ((1LL << k) < cap)
+        k++;
+    return k;
+}
+
+/* Drainer(fns, snap_host, timed_slot, timed_event, head_words, live_words, (rec ring, stage, cap),
+           (tim ring, stage, cap), state, live_host, stream, copy_event, sink=None) */
+static int drainer_init(Drainer *self, PyObject *args, PyObject *kw) {
+    unsigned long long f_sync, f_record, f_copy, snap_host, timed_event, state, live_host, stream, copy_event;
+    unsigned long long rdev, rstage, tdev, tstage;
+    long long rcap, tcap;
+    PyObject *sink = Py_None;
+    if (!PyArg_ParseTuple(args, "(KKK)KiK(ii)(ii)(KKL)(KKL)KKKK|O", &f_sync, &f_record, &f_copy, &snap_host,
+                          &self->timed_slot, &timed_event, &self->head_word[0], &self->head_word[1],
+                          &self->live_word[0], &self->live_word[1], &rdev, &rstage, &rcap, &tdev, &tstage, &tcap,
+                          &state, &live_host, &stream, &copy_event, &sink))
+        return -1;
+    long long caps[2] = {rcap, tcap};
+    for (int i = 0; i < 2; i++) {
+        if (caps[i] < 2 || (caps[i] & (caps[i] - 1)) || self->head_word[i] < 0 || self->head_word[i] > 7
+            || self->live_word[i] < 0 || self->live_word[i] > 7) {
+            PyErr_SetString(PyExc_ValueError, "Drainer: a capacity that is not a power of two, or a head word out of range");
+            return -1;
+        }
+    }
+    if (sink != Py_None && !PyObject_TypeCheck(sink, &FrameSinkType)) {
+        PyErr_SetString(PyExc_TypeError, "Drainer: sink must be a FrameSink or None");
+        return -1;
+    }
+    if (self->timed_slot < 0) {
+        PyErr_SetString(PyExc_ValueError, "Drainer: timed_slot must be >= 0");
+        return -1;
+    }
+    pthread_mutex_init(&self->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&self->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    self->sync = (event_sync_fn)(uintptr_t)f_sync;
+    self->record = (event_record_fn)(uintptr_t)f_record;
+    self->copy = (memcpy_dtoh_async_fn)(uintptr_t)f_copy;
+    self->snap_host = snap_host;
+    self->timed_event = (void *)(uintptr_t)timed_event;
+    self->state = state;
+    self->live_host = live_host;
+    self->stream = (void *)(uintptr_t)stream;
+    self->copy_event = (void *)(uintptr_t)copy_event;
+    self->w[0].dev = rdev;
+    self->w[0].stage = rstage;
+    self->w[0].cap = rcap;
+    self->w[1].dev = tdev;
+    self->w[1].stage = tstage;
+    self->w[1].cap = tcap;
+    self->log2cap[0] = log2_of(rcap);
+    self->log2cap[1] = log2_of(tcap);
+    if (sink != Py_None) {
+        Py_INCREF(sink);
+        self->sink = sink;
+    }
+    self->slope = 1.0;
+    self->auto_drain = 1;
+    self->every_s = 0.1;
+    self->min_s = 0.001;
+    self->fill_s = 0.01;
+    self->next_drain = mono_s() + self->fill_s;
+    self->pending_slot = -1;
+    return 0;
+}
+
+static void drainer_dealloc(Drainer *self) {
+    Py_XDECREF(self->sink);
+    free(self->blocks.data);
+    free(self->timings.data);
+    free(self->kbuf);
+    free(self->tbuf);
+    free(self->spans);
+    pthread_mutex_destroy(&self->mu);
+    pthread_cond_destroy(&self->cv);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static double drain_interval(Drainer *d) {
+    double s = d->fill_s < d->every_s ? d->fill_s : d->every_s;
+    return s > d->min_s ? s : d->min_s;
+}
+
+/* Seconds that fill a quarter of either ring at the rate since the last drain (cuda_ring._learn_rate). */
+static void learn_rate(Drainer *d, const long long head[2], double now) {
+    double prev_t = d->mark_t;
+    long long prev[2] = {d->mark[0], d->mark[1]};
+    int had = d->have_mark;
+    d->mark_t = now;
+    d->mark[0] = head[0];
+    d->mark[1] = head[1];
+    d->have_mark = 1;
+    if (!had || now <= prev_t)
+        return;
+    double q0 = (double)(head[0] - prev[0]) / (double)(d->w[0].cap / 4);
+    double q1 = (double)(head[1] - prev[1]) / (double)(d->w[1].cap / 4);
+    double quarters = q0 > q1 ? q0 : q1;
+    d->fill_s = quarters > 0 ? (now - prev_t) / quarters : 1e300;
+}
+
+static char *grow(char **buf, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        char *p = realloc(*buf, bytes);
+        if (p == NULL)
+            return NULL;
+        *buf = p;
+        *cap = bytes;
+    }
+    return *buf ? *buf : (char *)"";
+}
+
+/* Keep a chunk for take(); 0, or -1 when over STASH_MAX_BYTES or out of memory (the caller counts it). */
+static int stash(Buf *b, const int64_t clock[2], double slope, const int32_t *copies, int ncopies, const char *recs,
+                 long long n) {
+    size_t copy_bytes = ((size_t)ncopies * 4 + 7) & ~(size_t)7;
+    size_t bytes = sizeof(ChunkHeader) + copy_bytes + (size_t)n * REC_BYTES;
+    if ((long long)(b->len + bytes) > STASH_MAX_BYTES || buf_reserve(b, bytes) < 0)
+        return -1;
+    ChunkHeader h = {clock[0], clock[1], slope, n, ncopies};
+    memcpy(b->data + b->len, &h, sizeof h);
+    memset(b->data + b->len + sizeof h, 0, copy_bytes);
+    memcpy(b->data + b->len + sizeof h, copies, (size_t)ncopies * 4);
+    memcpy(b->data + b->len + sizeof h + copy_bytes, recs, (size_t)n * REC_BYTES);
+    b->len += bytes;
+    return 0;
+}
+
+/* One drain, on the loop's thread, without the GIL: what drain_device does, then the block records out as a
+   frame (or kept, with no sink) and the timing records kept; the counts under the lock. `take_snapshot`:
+   the state words are copied to the slot first (a timed drain: the heads of the last step the device has
+   started). Every position of [tail, head) of both rings is then kept or counted: overwritten before or
+   while it was copied (ring-wrap), kept past STASH_MAX_BYTES (buffer-cap), or lost to an error once the
+   heads were known (drain-error). */
+static void drain_once(Drainer *d, int slot, void *event, int take_snapshot) {
+    long long t0 = mono_ns();
+    uint64_t snap_host = d->snap_host + (uint64_t)slot * 8 * sizeof(long long);
+    RingWindow w[2] = {d->w[0], d->w[1]};
+    const char *where = "";
+    int rc = 0, have_heads = 0;
+    long long head[2] = {0, 0}, live[2] = {0, 0}, kept[2] = {0, 0}, capped[2] = {0, 0};
+    if (take_snapshot) {
+        rc = d->copy((void *)(uintptr_t)snap_host, d->state, 8 * sizeof(long long), d->stream);
+        if (rc == 0)
+            rc = d->record(event, d->stream);
+    }
+    if (rc == 0)
+        rc = d->sync(event);
+    if (rc) {
+        where = take_snapshot ? "taking the snapshot" : "waiting for the snapshot";
+    } else {
+        const long long *snap = (const long long *)(uintptr_t)snap_host;
+        head[0] = w[0].head = snap[d->head_word[0]];
+        head[1] = w[1].head = snap[d->head_word[1]];
+        have_heads = 1;
+        learn_rate(d, head, mono_s());
+        for (int i = 0; i < 2 && rc == 0; i++)
+            rc = copy_window(d->copy, &w[i], d->stream, &where);
+        if (rc == 0 && (w[0].n || w[1].n)) {
+            rc = d->copy((void *)(uintptr_t)d->live_host, d->state, 8 * sizeof(long long), d->stream);
+            if (rc == 0)
+                rc = d->record(d->copy_event, d->stream);
+            if (rc == 0)
+                rc = d->sync(d->copy_event);
+            if (rc) {
+                where = "waiting for the copy";
+            } else {
+                const long long *lv = (const long long *)(uintptr_t)d->live_host;
+                live[0] = lv[d->live_word[0]];
+                live[1] = lv[d->live_word[1]];
+            }
+        }
+        char **bufs[2] = {&d->kbuf, &d->tbuf};
+        size_t *caps[2] = {&d->kcap, &d->tcap};
+        char *out[2] = {NULL, NULL};
+        for (int i = 0; i < 2 && rc == 0; i++) {
+            if (!w[i].n)
+                continue;
+            long long min_valid = live[i] - w[i].cap > w[i].lo ? live[i] - w[i].cap : w[i].lo;
+            long long skip = min_valid - w[i].lo < w[i].n ? min_valid - w[i].lo : w[i].n;
+            out[i] = grow(bufs[i], caps[i], (size_t)(w[i].n - skip) * REC_BYTES + 1);
+            if (out[i] == NULL) {
+                rc = -1;
+                where = "allocating memory for the records";
+                break;
+            }
+            kept[i] = keep_intact_into((const char *)(uintptr_t)w[i].stage + skip * REC_BYTES, (Py_ssize_t)(w[i].n - skip),
+                                       (uint64_t)(w[i].lo + skip), d->log2cap[i], out[i]);
+        }
+        if (rc == 0) {
+            pthread_mutex_lock(&d->mu);
+            int64_t clock[2] = {d->clock[0], d->clock[1]};
+            double slope = d->slope;
+            int32_t copies[MAX_COPY_INTS];
+            int ncopies = d->ncopies;
+            memcpy(copies, d->copies, (size_t)ncopies * 4);
+            pthread_mutex_unlock(&d->mu);
+            int sunk = SINK_NO_FILE;
+            if (kept[0] && d->sink != NULL)  /* written (or counted lost by the sink) outside our lock */
+                sunk = sink_write_frame((FrameSink *)d->sink, clock, slope, copies, ncopies, out[0], kept[0]);
+            pthread_mutex_lock(&d->mu);
+            if (kept[0] && sunk == SINK_NO_FILE && stash(&d->blocks, clock, slope, copies, ncopies, out[0], kept[0]) < 0) {
+                capped[0] = kept[0];
+                kept[0] = 0;
+            }
+            if (kept[1] && stash(&d->timings, clock, slope, NULL, 0, out[1], kept[1]) < 0) {
+                capped[1] = kept[1];
+                kept[1] = 0;
+            }
+            pthread_mutex_unlock(&d->mu);
+        }
+    }
+    long long t1 = mono_ns();
+    pthread_mutex_lock(&d->mu);
+    long long *rows[2] = {&d->kv_rows, &d->timing_rows}, *wrap[2] = {&d->kv_wrap, &d->timing_wrap};
+    long long *cap[2] = {&d->kv_cap, &d->timing_cap}, *lost[2] = {&d->kv_error, &d->timing_error};
+    for (int i = 0; i < 2 && have_heads; i++) {
+        long long window = head[i] > d->w[i].tail ? head[i] - d->w[i].tail : 0;
+        if (rc == 0) {
+            *rows[i] += kept[i];
+            *cap[i] += capped[i];
+            *wrap[i] += window - kept[i] - capped[i];
+        } else {
+            *lost[i] += window;
+        }
+        if (head[i] > d->w[i].tail)
+            d->w[i].tail = head[i];
+    }
+    if (rc) {
+        d->errors++;
+        d->err_rc = rc;
+        strncpy(d->err_where, where, sizeof d->err_where - 1);
+        d->err_where[sizeof d->err_where - 1] = 0;
+    }
+    d->drains++;
+    d->drain_s += (t1 - t0) * 1e-9;
+    struct timespec cpu;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu) == 0)
+        d->thread_cpu_s = (double)cpu.tv_sec + cpu.tv_nsec * 1e-9;
+    if (d->spans_on && d->nspans < MAX_SPANS) {
+        if (d->spans == NULL)
+            d->spans = malloc(MAX_SPANS * 2 * sizeof(long long));
+        if (d->spans != NULL) {
+            d->spans[2 * d->nspans] = t0;
+            d->spans[2 * d->nspans + 1] = t1;
+            d->nspans++;
+        }
+    }
+    pthread_mutex_unlock(&d->mu);
+}
+
+/* run(until) -> "stop" | "time": drain when due (every drain_interval, or a requested snapshot) until
+   CLOCK_MONOTONIC reaches `until` (seconds) or stop() is called; without the GIL throughout. */
+static PyObject *drainer_run(Drainer *d, PyObject *args) {
+    double until;
+    if (!PyArg_ParseTuple(args, "d", &until))
+        return NULL;
+    pthread_mutex_lock(&d->mu);
+    if (d->running) {
+        pthread_mutex_unlock(&d->mu);
+        PyErr_SetString(PyExc_RuntimeError, "Drainer.run is already running on another thread");
+        return NULL;
+    }
+    d->running = 1;
+    pthread_mutex_unlock(&d->mu);
+    int stopped = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&d->mu);
+    for (;;) {
+        double now = mono_s();
+        if (d->stop) {
+            stopped = 1;
+            break;
+        }
+        if (!d->held && d->pending_slot >= 0) {
+            int slot = d->pending_slot;
+            void *ev = d->pending_event;
+            long long ticket = d->req_seq;
+            d->pending_slot = -1;
+            d->busy = 1;
+            pthread_mutex_unlock(&d->mu);
+            drain_once(d, slot, ev, 0);
+            pthread_mutex_lock(&d->mu);
+            d->busy = 0;
+            d->done_seq = ticket;
+            d->next_drain = mono_s() + drain_interval(d);
+            pthread_cond_broadcast(&d->cv);
+            continue;
+        }
+        if (!d->held && d->auto_drain && now >= d->next_drain) {
+            d->busy = 1;
+            pthread_mutex_unlock(&d->mu);
+            drain_once(d, d->timed_slot, d->timed_event, 1);
+            pthread_mutex_lock(&d->mu);
+            d->busy = 0;
+            d->next_drain = mono_s() + drain_interval(d);
+            pthread_cond_broadcast(&d->cv);
+            continue;
+        }
+        if (now >= until)
+            break;
+        double deadline = until;
+        if (!d->held && d->auto_drain && d->next_drain < deadline)
+            deadline = d->next_drain;
+        struct timespec ts;
+        ts.tv_sec = (time_t)deadline;
+        ts.tv_nsec = (long)((deadline - (double)ts.tv_sec) * 1e9);
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&d->cv, &d->mu, &ts);
+    }
+    d->running = 0;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    Py_END_ALLOW_THREADS
+    return PyUnicode_FromString(stopped ? "stop" : "time");
+}
+
+/* request(slot, event) -> ticket: drain up to snapshot `slot` (its copy done when `event` is); only the
+   newest request waits, as the Python thread took only the newest snapshot. */
+static PyObject *drainer_request(Drainer *d, PyObject *args) {
+    int slot;
+    unsigned long long event;
+    if (!PyArg_ParseTuple(args, "iK", &slot, &event))
+        return NULL;
+    if (slot < 0) {
+        PyErr_SetString(PyExc_ValueError, "request: slot must be >= 0");
+        return NULL;
+    }
+    pthread_mutex_lock(&d->mu);
+    d->pending_slot = slot;
+    d->pending_event = (void *)(uintptr_t)event;
+    long long ticket = ++d->req_seq;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    return PyLong_FromLongLong(ticket);
+}
+
+static void deadline_after(struct timespec *ts, double seconds) {
+    double t = mono_s() + seconds;
+    ts->tv_sec = (time_t)t;
+    ts->tv_nsec = (long)((t - (double)ts->tv_sec) * 1e9);
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+/* wait(ticket, timeout_s) -> bool: whether the request's drain is done (GIL let go meanwhile). */
+static PyObject *drainer_wait(Drainer *d, PyObject *args) {
+    long long ticket;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Ld", &ticket, &timeout))
+        return NULL;
+    int done;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec ts;
+    deadline_after(&ts, timeout);
+    pthread_mutex_lock(&d->mu);
+    while (d->done_seq < ticket && !d->stop) {
+        if (pthread_cond_timedwait(&d->cv, &d->mu, &ts) == ETIMEDOUT)
+            break;
+    }
+    done = d->done_seq >= ticket;
+    pthread_mutex_unlock(&d->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(done);
+}
+
+static PyObject *drainer_stop(Drainer *d, PyObject *unused) {
+    pthread_mutex_lock(&d->mu);
+    d->stop = 1;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    Py_RETURN_NONE;
+}
+
+/* hold(on, timeout_s=5) -> seconds waited: while held no drain starts; holding waits for one under way. */
+static PyObject *drainer_hold(Drainer *d, PyObject *args) {
+    int on;
+    double timeout = 5.0;
+    if (!PyArg_ParseTuple(args, "p|d", &on, &timeout))
+        return NULL;
+    double t0 = mono_s();
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec ts;
+    deadline_after(&ts, timeout);
+    pthread_mutex_lock(&d->mu);
+    d->held = on;
+    pthread_cond_broadcast(&d->cv);
+    while (on && d->busy) {
+        if (pthread_cond_timedwait(&d->cv, &d->mu, &ts) == ETIMEDOUT)
+            break;
+    }
+    pthread_mutex_unlock(&d->mu);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(mono_s() - t0);
+}
+
+/* set_clock(dev_ref, host_ref, slope): the clock mapping the next frames and timing chunks carry. */
+static PyObject *drainer_set_clock(Drainer *d, PyObject *args) {
+    long long dev, host;
+    double slope;
+    if (!PyArg_ParseTuple(args, "LLd", &dev, &host, &slope))
+        return NULL;
+    pthread_mutex_lock(&d->mu);
+    d->clock[0] = dev;
+    d->clock[1] = host;
+    d->slope = slope;
+    pthread_mutex_unlock(&d->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *drainer_set_copies(Drainer *d, PyObject *arg) {
+    int32_t copies[MAX_COPY_INTS];
+    int n = 0;
+    if (parse_copies(arg, copies, &n) < 0)
+        return NULL;
+    pthread_mutex_lock(&d->mu);
+    memcpy(d->copies, copies, (size_t)n * 4);
+    d->ncopies = n;
+    pthread_mutex_unlock(&d->mu);
+    Py_RETURN_NONE;
+}
+
+/* set_policy(every_s, min_s, fill_s, auto_drain): when timed drains run; the next one after the interval. */
+static PyObject *drainer_set_policy(Drainer *d, PyObject *args) {
+    double every, min_s, fill;
+    int auto_drain;
+    if (!PyArg_ParseTuple(args, "dddp", &every, &min_s, &fill, &auto_drain))
+        return NULL;
+    pthread_mutex_lock(&d->mu);
+    d->every_s = every;
+    d->min_s = min_s;
+    d->fill_s = fill;
+    d->auto_drain = auto_drain;
+    d->next_drain = mono_s() + drain_interval(d);
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *drainer_set_tails(Drainer *d, PyObject *args) {
+    long long rec, tim;
+    if (!PyArg_ParseTuple(args, "LL", &rec, &tim))
+        return NULL;
+    pthread_mutex_lock(&d->mu);
+    d->w[0].tail = rec;
+    d->w[1].tail = tim;
+    pthread_mutex_unlock(&d->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *drainer_spans(Drainer *d, PyObject *args) {
+    int on = -1;
+    if (!PyArg_ParseTuple(args, "|p", &on))
+        return NULL;
+    pthread_mutex_lock(&d->mu);
+    if (on >= 0)
+        d->spans_on = on;
+    PyObject *list = PyList_New((Py_ssize_t)d->nspans);
+    for (size_t i = 0; list != NULL && i < d->nspans; i++)
+        PyList_SET_ITEM(list, (Py_ssize_t)i, Py_BuildValue("(LL)", d->spans[2 * i], d->spans[2 * i + 1]));
+    d->nspans = 0;
+    pthread_mutex_unlock(&d->mu);
+    return list;
+}
+
+/* The chunks of a stash as a list of (Records, (dev_ref, host_ref, slope), copies tuple or None). */
+static PyObject *chunks_of(const Buf *b, int with_copies) {
+    PyObject *list = PyList_New(0);
+    size_t at = 0;
+    while (list != NULL && at + sizeof(ChunkHeader) <= b->len) {
+        ChunkHeader h;
+        memcpy(&h, b->data + at, sizeof h);
+        size_t copy_bytes = ((size_t)h.ncopies * 4 + 7) & ~(size_t)7;
+        const char *copies = b->data + at + sizeof h, *recs = copies + copy_bytes;
+        size_t bytes = (size_t)h.n * REC_BYTES;
+        char *own = malloc(bytes ? bytes : 1);
+        PyObject *r = own != NULL ? records_new(own, (Py_ssize_t)bytes) : PyErr_NoMemory();
+        if (r == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        memcpy(own, recs, bytes);
+        PyObject *cp = Py_None;
+        Py_INCREF(Py_None);
+        if (with_copies) {
+            Py_DECREF(Py_None);
+            cp = PyTuple_New((Py_ssize_t)h.ncopies);
+            for (int64_t i = 0; cp != NULL && i < h.ncopies; i++) {
+                int32_t v;
+                memcpy(&v, copies + i * 4, 4);
+                PyTuple_SET_ITEM(cp, (Py_ssize_t)i, PyLong_FromLong(v));
+            }
+        }
+        PyObject *item = cp != NULL ? Py_BuildValue("(N(LLd)N)", r, (long long)h.dev_ref, (long long)h.host_ref, h.slope, cp) : NULL;
+        if (item == NULL || PyList_Append(list, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(item);
+        at += sizeof h + copy_bytes + bytes;
+    }
+    return list;
+}
+
+/* take() -> (block chunks, timing chunks, counts, error or None): what the drains since the last take
+   left for Python. Block chunks only where there was no sink (or it had no file); counts since the last
+   take; error = (CUresult, where, how many drains failed) of the last failed drain. */
+static PyObject *drainer_take(Drainer *d, PyObject *unused) {
+    pthread_mutex_lock(&d->mu);
+    Buf blocks = d->blocks, timings = d->timings;
+    memset(&d->blocks, 0, sizeof d->blocks);
+    memset(&d->timings, 0, sizeof d->timings);
+    PyObject *counts = Py_BuildValue(
+        "{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:d,s:L,s:L}", "drains", d->drains, "kv_rows", d->kv_rows, "timing_rows",
+        d->timing_rows, "kv_wrap", d->kv_wrap, "timing_wrap", d->timing_wrap, "kv_error", d->kv_error, "timing_error",
+        d->timing_error, "kv_cap", d->kv_cap, "timing_cap", d->timing_cap, "drain_s", d->drain_s, "tail",
+        d->w[0].tail, "timing_tail", d->w[1].tail);
+    PyObject *error = Py_None;
+    if (d->errors)
+        error = Py_BuildValue("(isL)", d->err_rc, d->err_where, d->errors);
+    else
+        Py_INCREF(Py_None);
+    d->drains = d->kv_rows = d->timing_rows = d->kv_wrap = d->timing_wrap = d->kv_error = d->timing_error = 0;
+    d->kv_cap = d->timing_cap = d->errors = 0;
+    d->drain_s = 0;
+    pthread_mutex_unlock(&d->mu);
+    PyObject *b = chunks_of(&blocks, 1), *t = b != NULL ? chunks_of(&timings, 0) : NULL;
+    free(blocks.data);
+    free(timings.data);
+    if (b == NULL || t == NULL || counts == NULL || error == NULL) {
+        Py_XDECREF(b);
+        Py_XDECREF(t);
+        Py_XDECREF(counts);
+        Py_XDECREF(error);
+        return NULL;
+    }
+    return Py_BuildValue("(NNNN)", b, t, counts, error);
+}
+
+/* thread_cpu_s() -> the CPU seconds of the loop's thread as of its last drain */
+static PyObject *drainer_thread_cpu_s(Drainer *d, PyObject *unused) {
+    pthread_mutex_lock(&d->mu);
+    double s = d->thread_cpu_s;
+    pthread_mutex_unlock(&d->mu);
+    return PyFloat_FromDouble(s);
+}
+
+static PyMethodDef drainer_methods[] = {
+    {"thread_cpu_s", (PyCFunction)drainer_thread_cpu_s, METH_NOARGS,
+     "thread_cpu_s() -> CPU seconds of the loop's thread as of its last drain."},
+    {"run", (PyCFunction)drainer_run, METH_VARARGS,
+     "run(until) -> 'stop' | 'time': drain when due without the GIL until CLOCK_MONOTONIC reaches until (s) or stop()."},
+    {"request", (PyCFunction)drainer_request, METH_VARARGS,
+     "request(slot, event) -> ticket: drain up to snapshot slot once its copy (event) is done."},
+    {"wait", (PyCFunction)drainer_wait, METH_VARARGS, "wait(ticket, timeout_s) -> whether that drain is done."},
+    {"stop", (PyCFunction)drainer_stop, METH_NOARGS, "stop(): run() returns after the drain under way."},
+    {"hold", (PyCFunction)drainer_hold, METH_VARARGS,
+     "hold(on, timeout_s=5) -> seconds waited: no drain starts while held (benchmarks)."},
+    {"set_clock", (PyCFunction)drainer_set_clock, METH_VARARGS, "set_clock(dev_ref, host_ref, slope)."},
+    {"set_copies", (PyCFunction)drainer_set_copies, METH_O, "set_copies(ints): (layer, source) pairs, flattened."},
+    {"set_policy", (PyCFunction)drainer_set_policy, METH_VARARGS, "set_policy(every_s, min_s, fill_s, auto_drain)."},
+    {"set_tails", (PyCFunction)drainer_set_tails, METH_VARARGS, "set_tails(record tail, timing tail)."},
+    {"spans", (PyCFunction)drainer_spans, METH_VARARGS,
+     "spans(on=None) -> [(start_ns, end_ns)]: the drains since the last call, when switched on (benchmarks)."},
+    {"take", (PyCFunction)drainer_take, METH_NOARGS,
+     "take() -> (block chunks, timing chunks, counts, error): what the drains left for Python since the last take."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject DrainerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtrace.probes.kv_access._drain.Drainer",
+    .tp_basicsize = sizeof(Drainer),
+    .tp_dealloc = (destructor)drainer_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A CUDA KV access ring's drains in a loop that never takes the GIL (see the source).",
+    .tp_methods = drainer_methods,
+    .tp_init = (initproc)drainer_init,
+    .tp_new = PyType_GenericNew,
+};
+
 static PyMethodDef methods[] = {
     {"state_launch", (PyCFunction)(void (*)(void))state_launch, METH_FASTCALL,
      "state_launch(f, stream, params, args, step, active): write a ring's step and flags into its StateArgs "
@@ -366,16 +1297,20 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_drain", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__drain(void) {
-    if (PyType_Ready(&RecordsType) < 0)
+    if (PyType_Ready(&RecordsType) < 0 || PyType_Ready(&FrameSinkType) < 0 || PyType_Ready(&DrainerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&RecordsType);
-    if (PyModule_AddObject(m, "Records", (PyObject *)&RecordsType) < 0) {
-        Py_DECREF(&RecordsType);
-        Py_DECREF(m);
-        return NULL;
+    PyTypeObject *types[] = {&RecordsType, &FrameSinkType, &DrainerType};
+    const char *names[] = {"Records", "FrameSink", "Drainer"};
+    for (int i = 0; i < 3; i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }

@@ -27,15 +27,18 @@ CUDA graph is being captured is asked of CUDA only while torch.cuda.CUDAGraph ha
 (`_install_capture_hooks` counts them): under a busy engine the query cost ~12 us a call.
 Background thread: drains every 100 ms, or sooner when the records per second of the last drains would fill
 a quarter of either ring first (`_learn_rate`). A drain copies the state words (the snapshot of the heads
-the last `kv_set_state` took) into pinned memory on a copy stream and waits for it (asleep, without the GIL:
-`_wait`), copies the records between the last drained position and the snapshot into pinned staging, reads
-the live head again to find records overwritten meanwhile, keeps the intact block records and hands them to
-the recorder packed (timing records decoded); every `anchor_interval_s` it takes a clock anchor (a 1-thread
-kernel reading %globaltimer on a high-priority side stream, best of 5 round trips). An explicit `drain()`
-(`flush`, tests) instead snapshots at the caller's point of the inference stream (an event, then the copy on
-a side stream) and queues it. Where `_drain.c` is built, one native call does a drain's waits, copies and
-lap check without the GIL (`_drain_native`): each time the thread takes the GIL back the engine's thread
-stops for two thread wake-ups, and the Python path (`_drain_to`) took it back a dozen times a drain.
+the last `kv_set_state` took) into pinned memory on a copy stream and waits for it (asleep, without the GIL),
+copies the records between the last drained position and the snapshot into pinned staging, reads the live
+head again to find records overwritten meanwhile, and keeps the intact block and timing records; every
+`anchor_interval_s` the thread takes a clock anchor (a 1-thread kernel reading %globaltimer on a
+high-priority side stream, best of 5 round trips). An explicit `drain()` (`flush`, tests) instead snapshots
+at the caller's point of the inference stream (an event, then the copy on a side stream) and asks for it.
+Where `_drain.c` is built the drains run in its loop (`_drain.Drainer`, `_run_loop`), which never takes the
+GIL: it writes the block records as frames itself, through the recorder's frame sink (format/kv_frames.py),
+keeps the timing records and its counts, and comes back to Python only for the clock anchor, when it hands
+them over (`_take_native`). Each time a thread takes the GIL back the engine's thread stops for it; one
+native call a drain that came back to Python for the records (`_drain_native`, `{"kv_drain_loop": false}`)
+took it three times a drain with Python work between, the Python path (`_drain_to`) a dozen.
 
 The kernels are in `cuda_ring_kernels.cu` next to this file (package data: `*.cu`).
 """
@@ -53,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtrace.format.kv_records import copy_layers, to_host_ns, unpack_records, unpack_timings
 from kvtrace.probes.kv_access import ring as ring_module
 from kvtrace.probes.kv_access.ring import REC_DTYPE, TIM_DTYPE, KVAccessRing
 from kvtrace.record.clocks import clock_pair
@@ -69,6 +73,7 @@ STATE_WORDS = 8   # one 64-byte line
 SNAP_WORDS = 8    # state[0:8]: what a drain copies (the snapshot words)
 LIVE_WORDS = 8    # state[0:8] again, after the ring copy: the live heads
 NSNAP = 64        # pinned snapshot slots (drains in flight)
+DRAIN_LOOP = True  # rings made from now on drain in `_drain.Drainer`'s loop where it is built (tests switch it)
 ANCHOR_TRIES = 5
 
 
@@ -225,6 +230,10 @@ class CudaKVAccessRing(KVAccessRing):
         self.native_drain = self._cu_fns is not None
         self._cupy_launch = self._launch_kernel
         self.native_launch = self._cu_fns is not None and hasattr(self._native, "launch")
+        # The timed drains in a loop in C that never takes the GIL (`_drain.Drainer`, `_run_loop`) where it
+        # is built; False: the thread comes back to Python for every drain (`_run`; benchmarks compare them).
+        self.drain_loop = DRAIN_LOOP and self.native_drain and hasattr(self._native, "Drainer")
+        self._take_lock = threading.Lock()
         # NumPy views of the pinned memory the drain reads, made once: torch's indexing and NumPy's view
         # of a structured dtype cost the drain thread tens of microseconds under the GIL each time
         self._snap_np = self._snap_host.numpy()
@@ -277,6 +286,7 @@ class CudaKVAccessRing(KVAccessRing):
     _deferred_error: BaseException | None = None  # a deferred launch failed in the replay hook: raised next step
     state_missed_steps = 0      # steps whose forward pass ended with the launch still due (state_missed)
     _kernels_made = False       # a record_layer has fitted launches (eagerly or into a captured graph)
+    _drainer: Any = None        # the drain loop (`_drain.Drainer`), once the background thread runs it
     _due_thread = 0             # the thread whose begin_step left the launch due
 
     def _in_capture(self) -> bool:
@@ -511,14 +521,17 @@ class CudaKVAccessRing(KVAccessRing):
             tring_mask=self.timing_capacity - 1, tring_log2=self.log2tcap,
         )
 
-    def drain(self, _ack: threading.Event | None = None) -> None:
+    def drain(self, _ack: threading.Event | None = None) -> int | None:
         if self.closed or self._capturing():
             return
         if self._state_due:  # the snapshot of the last begin_step comes before this point
             self._launch_due()
         self._start_thread()
         slot = self._snapshot()
+        if self._drainer is not None:  # the loop drains it; `flush` waits for the ticket
+            return self._drainer.request(slot, self._done_ev[slot])
         self._queue.put(("snap", slot, self._done_events[slot], _ack))
+        return None
 
     def _snapshot(self) -> int:
         """Copy the state words (the heads) into a pinned snapshot slot once the inference stream gets
@@ -556,8 +569,13 @@ class CudaKVAccessRing(KVAccessRing):
             self._cupy_launch(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
                               self._state_launch.params_addr, 0)
             ack = threading.Event()
-            self.drain(_ack=ack)
-        if not ack.wait(timeout_s):
+            ticket = self.drain(_ack=ack)
+        if ticket is not None:  # the drain loop's: wait for it, then take what it left for Python
+            done = self._drainer.wait(ticket, timeout_s)
+            self._take_native()
+        else:
+            done = ack.wait(timeout_s)
+        if not done:
             self._warn(f"KVAccessRing.flush: background drain did not finish in {timeout_s} s")
             self._lost_uncounted(f"its flush did not finish in {timeout_s} s")
 
@@ -573,8 +591,16 @@ class CudaKVAccessRing(KVAccessRing):
         self.active = False
         self._forget_due()
         if self._thread is not None:
-            self._queue.put(("stop", None, None, None))
+            if self._drainer is not None:
+                self._drainer.stop()
+            else:
+                self._queue.put(("stop", None, None, None))
             self._thread.join(timeout=30.0)
+        if self._drainer is not None:
+            try:
+                self._take_native()  # what the loop left since its last hand-over
+            except Exception as exc:
+                self._warn(f"KVAccessRing.close: records left by the drain loop not handed over: {exc!r}")
         try:
             self._take_anchor()
         except Exception:
@@ -587,8 +613,86 @@ class CudaKVAccessRing(KVAccessRing):
     # ---- background thread -----------------------------------------------------------------------------
     def _start_thread(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvtrace-kv-ring", daemon=True)
+            loop = self.drain_loop and self.native_drain and self._cu_fns is not None
+            if loop and self._drainer is None:
+                self._drainer = self._make_drainer()
+            self._thread = threading.Thread(target=self._run_loop if loop else self._run, name="kvtrace-kv-ring",
+                                            daemon=True)
             self._thread.start()
+
+    def _make_drainer(self) -> Any:
+        """The drain loop (`_drain.Drainer`), writing its frames through the recorder's frame sink where
+        it has one (else leaving the block records for `_take_native`), with this ring's state so far."""
+        get_sink = getattr(self.recorder, "kv_frame_sink", None)
+        sink = get_sink(self._native.FrameSink) if get_sink is not None else None
+        ring, stage, tring, tstage, live, stream, event = self._native_ptrs
+        d = self._native.Drainer(
+            self._cu_fns[:3], self._snap_host_ptr, NSNAP, self._done_ev[NSNAP], (ST_SNAP_REC, ST_SNAP_TIM),
+            (ST_REC_HEAD, ST_TIM_HEAD), (ring, stage, self.capacity), (tring, tstage, self.timing_capacity),
+            self._state_ptr, live, stream, event, sink)
+        d.set_clock(*self._fit)
+        d.set_copies(self._copies)
+        d.set_tails(self._tail, self._ttail)
+        d.set_policy(self.DRAIN_EVERY_S, self.MIN_DRAIN_S, self._fill_s, self.auto_drain)
+        return d
+
+    def _copies_changed(self) -> None:
+        if self._drainer is not None:
+            self._drainer.set_copies(self._copies)
+
+    def _run_loop(self) -> None:
+        """The background thread with the drain loop: in `Drainer.run`, without the GIL, but for a clock
+        anchor every `anchor_interval_s` and the hand-over of what the drains left for Python then."""
+        self._torch.cuda.set_device(self.index)  # the primary context current: the loop's CUDA calls use it
+        _relax_capture_mode()
+        self.stats["native_drain"] = self.stats["drain_loop"] = True  # proc.json: which drain ran
+        next_anchor = time.monotonic() + self.anchor_interval_s
+        while True:
+            reason = self._drainer.run(next_anchor)
+            try:
+                if time.monotonic() >= next_anchor:
+                    self._take_anchor()
+                    next_anchor = time.monotonic() + self.anchor_interval_s
+                self._take_native()
+            except Exception as exc:  # never take the process down; say what happened
+                self._warn(f"KVAccessRing drain failed: {exc!r}")
+            self.stats["thread_cpu_s"] = time.thread_time()  # this thread's CPU so far (proc.json)
+            if reason == "stop":
+                return
+
+    def _take_native(self) -> None:
+        """Hand over what the drain loop left for Python since the last time: block records it had no
+        file for, timing records (decoded at the recorder's flush), its counts and drops, its errors."""
+        with self._take_lock:  # one hand-over at a time, in the order the loop kept them
+            blocks, timings, counts, error = self._drainer.take()
+            for recs, clock, copies in blocks:
+                good = np.frombuffer(recs, REC_DTYPE)
+                if self._append_records is not None:
+                    self._append_records(good, clock, copies, True)
+                else:
+                    self._emit("kv_access", copy_layers(unpack_records(good, to_host_ns(good["ts"], clock)), copies))
+            for recs, clock, _ in timings:
+                good = np.frombuffer(recs, TIM_DTYPE)
+                if self._append_timings is not None:
+                    self._append_timings(good, clock, True)
+                else:
+                    self._emit("layer_timings", unpack_timings(good, to_host_ns(good["ts"], clock)))
+            st = self.stats
+            st["drains"] = st.get("drains", 0) + counts["drains"]
+            st["drain_s"] += counts["drain_s"]
+            st["kv_rows"] += counts["kv_rows"]
+            st["timing_rows"] += counts["timing_rows"]
+            self._tail, self._ttail = counts["tail"], counts["timing_tail"]
+            for table, key, units in (("kv_access", "kv", self._drop_units), ("layer_timings", "timing", 1)):
+                for cause, what in (("ring-wrap", "wrap"), ("drain-error", "error"), ("buffer-cap", "cap")):
+                    n = counts[f"{key}_{what}"]
+                    if n:
+                        st[f"{key}_dropped"] += n
+                        self.recorder.count_drop(table, n * units, cause)
+            if error is not None:
+                rc, where, failed = error
+                self._warn(f"KVAccessRing drain failed: CUDA error {rc} {where} ({failed} drain"
+                           f"{'s' if failed != 1 else ''} since the last report)")
 
     @staticmethod
     def _wait(event: Any) -> None:
@@ -762,6 +866,8 @@ class CudaKVAccessRing(KVAccessRing):
         self.recorder.buffer("clock_anchors").append((mono, utc, dev_ns, self.source))
         self._anchors = (self._anchors + [(dev_ns, mono)])[-32:]
         self._fit = self._fit_clock(self._anchors)
+        if self._drainer is not None:
+            self._drainer.set_clock(*self._fit)
 
     @staticmethod
     def _fit_clock(anchors: list[tuple[int, int]]) -> tuple[int, int, float]:

@@ -361,6 +361,10 @@ class KVAccessRing:
         self.layer_copies[layer] = source
         self._copies = tuple(v for pair in sorted(self.layer_copies.items()) for v in pair)
         self._count_units()
+        self._copies_changed()
+
+    def _copies_changed(self) -> None:
+        """`_copies` changed (the device ring's drain loop writes them into its frames)."""
 
     def _count_units(self) -> None:
         """A lost device record stands for its copies' rows too: drops count that many rows per record,

@@ -353,6 +353,11 @@ class AttentionProbe(Probe):
             # CUDA ring, benchmarks: {"kv_native_drain": false} drains through torch and NumPy instead of
             # _drain.c (its GIL hand-overs are what the native drain saves)
             ring.native_drain = bool(self.options["kv_native_drain"])
+        if "kv_drain_loop" in self.options and hasattr(ring, "drain_loop"):
+            # CUDA ring, benchmarks: {"kv_drain_loop": false} comes back to Python for every drain (one native
+            # call a drain, the records handed over in Python) instead of draining in a loop in C that never
+            # takes the GIL
+            ring.drain_loop = bool(self.options["kv_drain_loop"])
         if "kv_native_launch" in self.options and hasattr(ring, "native_launch"):
             # CUDA ring, benchmarks: {"kv_native_launch": false} launches through CuPy, which lets the GIL
             # go around each launch, instead of _drain.c's launch, which keeps it
