@@ -640,6 +640,11 @@ class CudaKVAccessRing(KVAccessRing):
         if self._drainer is not None:
             self._drainer.set_copies(self._copies)
 
+    # The drain loop comes back to Python this often to hand over its timing records, counts and drops
+    # (one GIL hand-over a second, where one a drain was ten): what a kill loses that was drained, and how
+    # late proc.json's counts are.
+    HANDOVER_S = 1.0
+
     def _run_loop(self) -> None:
         """The background thread with the drain loop: in `Drainer.run`, without the GIL, but for a clock
         anchor every `anchor_interval_s` and the hand-over of what the drains left for Python then."""
@@ -648,7 +653,7 @@ class CudaKVAccessRing(KVAccessRing):
         self.stats["native_drain"] = self.stats["drain_loop"] = True  # proc.json: which drain ran
         next_anchor = time.monotonic() + self.anchor_interval_s
         while True:
-            reason = self._drainer.run(next_anchor)
+            reason = self._drainer.run(min(next_anchor, time.monotonic() + self.HANDOVER_S))
             try:
                 if time.monotonic() >= next_anchor:
                     self._take_anchor()
