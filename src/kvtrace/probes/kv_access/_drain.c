@@ -392,6 +392,17 @@ typedef struct {
 
 enum { SINK_WRITTEN = 0, SINK_DROPPED = 1, SINK_NO_FILE = 2 };
 
+/* The lock of a sink or a Drainer, taken by a caller that holds the GIL: at once when it is free, else
+   with the GIL let go meanwhile (the loop may hold it for a frame's write, ~1 ms, and a thread waiting
+   with the GIL would stop the engine's thread all that time). */
+static void lock_gil_free(pthread_mutex_t *mu) {
+    if (pthread_mutex_trylock(mu) == 0)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(mu);
+    Py_END_ALLOW_THREADS
+}
+
 static int sink_init(FrameSink *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(args, ""))
         return -1;
@@ -529,7 +540,7 @@ static PyObject *sink_swap(FrameSink *self, PyObject *args) {
     long long bytes;
     if (!PyArg_ParseTuple(args, "iL", &fd, &bytes))
         return NULL;
-    pthread_mutex_lock(&self->mu);
+    lock_gil_free(&self->mu);
     PyObject *old = Py_BuildValue("(iLLLi)", self->fd, self->file_bytes, self->file_frames, self->file_records, self->broken);
     self->fd = fd;
     self->file_bytes = fd < 0 ? 0 : bytes;
@@ -544,7 +555,7 @@ static PyObject *sink_stop(FrameSink *self, PyObject *args) {
     const char *cause;
     if (!PyArg_ParseTuple(args, "s", &cause))
         return NULL;
-    pthread_mutex_lock(&self->mu);
+    lock_gil_free(&self->mu);
     if (!self->stop_cause[0]) {
         strncpy(self->stop_cause, cause, sizeof self->stop_cause - 1);
         self->stop_cause[sizeof self->stop_cause - 1] = 0;
@@ -555,7 +566,7 @@ static PyObject *sink_stop(FrameSink *self, PyObject *args) {
 
 /* take() -> (records lost since the last take, their cause, errno of a failed write or 0) */
 static PyObject *sink_take(FrameSink *self, PyObject *unused) {
-    pthread_mutex_lock(&self->mu);
+    lock_gil_free(&self->mu);
     PyObject *r = Py_BuildValue("(Lsi)", self->dropped, self->stop_cause, self->err);
     self->dropped = 0;
     self->err = 0;
@@ -564,7 +575,7 @@ static PyObject *sink_take(FrameSink *self, PyObject *unused) {
 }
 
 static PyObject *sink_counts(FrameSink *self, PyObject *unused) {
-    pthread_mutex_lock(&self->mu);
+    lock_gil_free(&self->mu);
     PyObject *r = Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:i,s:i}", "frames_total", self->frames_total, "bytes_total",
                                 self->bytes_total, "records_total", self->records_total, "file_bytes", self->file_bytes,
                                 "file_records", self->file_records, "fd", self->fd, "broken", self->broken);
@@ -814,7 +825,8 @@ static int stash(Buf *b, const int64_t clock[2], double slope, const int32_t *co
     ChunkHeader h = {clock[0], clock[1], slope, n, ncopies};
     memcpy(b->data + b->len, &h, sizeof h);
     memset(b->data + b->len + sizeof h, 0, copy_bytes);
-    memcpy(b->data + b->len + sizeof h, copies, (size_t)ncopies * 4);
+    if (ncopies)
+        memcpy(b->data + b->len + sizeof h, copies, (size_t)ncopies * 4);
     memcpy(b->data + b->len + sizeof h + copy_bytes, recs, (size_t)n * REC_BYTES);
     b->len += bytes;
     return 0;
@@ -949,7 +961,7 @@ static PyObject *drainer_run(Drainer *d, PyObject *args) {
     double until;
     if (!PyArg_ParseTuple(args, "d", &until))
         return NULL;
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     if (d->running) {
         pthread_mutex_unlock(&d->mu);
         PyErr_SetString(PyExc_RuntimeError, "Drainer.run is already running on another thread");
@@ -1023,7 +1035,7 @@ static PyObject *drainer_request(Drainer *d, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "request: slot must be >= 0");
         return NULL;
     }
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     d->pending_slot = slot;
     d->pending_event = (void *)(uintptr_t)event;
     long long ticket = ++d->req_seq;
@@ -1064,7 +1076,7 @@ static PyObject *drainer_wait(Drainer *d, PyObject *args) {
 }
 
 static PyObject *drainer_stop(Drainer *d, PyObject *unused) {
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     d->stop = 1;
     pthread_cond_broadcast(&d->cv);
     pthread_mutex_unlock(&d->mu);
@@ -1099,7 +1111,7 @@ static PyObject *drainer_set_clock(Drainer *d, PyObject *args) {
     double slope;
     if (!PyArg_ParseTuple(args, "LLd", &dev, &host, &slope))
         return NULL;
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     d->clock[0] = dev;
     d->clock[1] = host;
     d->slope = slope;
@@ -1112,7 +1124,7 @@ static PyObject *drainer_set_copies(Drainer *d, PyObject *arg) {
     int n = 0;
     if (parse_copies(arg, copies, &n) < 0)
         return NULL;
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     memcpy(d->copies, copies, (size_t)n * 4);
     d->ncopies = n;
     pthread_mutex_unlock(&d->mu);
@@ -1125,7 +1137,7 @@ static PyObject *drainer_set_policy(Drainer *d, PyObject *args) {
     int auto_drain;
     if (!PyArg_ParseTuple(args, "dddp", &every, &min_s, &fill, &auto_drain))
         return NULL;
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     d->every_s = every;
     d->min_s = min_s;
     d->fill_s = fill;
@@ -1140,7 +1152,7 @@ static PyObject *drainer_set_tails(Drainer *d, PyObject *args) {
     long long rec, tim;
     if (!PyArg_ParseTuple(args, "LL", &rec, &tim))
         return NULL;
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     d->w[0].tail = rec;
     d->w[1].tail = tim;
     pthread_mutex_unlock(&d->mu);
@@ -1151,7 +1163,7 @@ static PyObject *drainer_spans(Drainer *d, PyObject *args) {
     int on = -1;
     if (!PyArg_ParseTuple(args, "|p", &on))
         return NULL;
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     if (on >= 0)
         d->spans_on = on;
     PyObject *list = PyList_New((Py_ssize_t)d->nspans);
@@ -1206,7 +1218,7 @@ static PyObject *chunks_of(const Buf *b, int with_copies) {
    left for Python. Block chunks only where there was no sink (or it had no file); counts since the last
    take; error = (CUresult, where, how many drains failed) of the last failed drain. */
 static PyObject *drainer_take(Drainer *d, PyObject *unused) {
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     Buf blocks = d->blocks, timings = d->timings;
     memset(&d->blocks, 0, sizeof d->blocks);
     memset(&d->timings, 0, sizeof d->timings);
@@ -1239,7 +1251,7 @@ static PyObject *drainer_take(Drainer *d, PyObject *unused) {
 
 /* thread_cpu_s() -> the CPU seconds of the loop's thread as of its last drain */
 static PyObject *drainer_thread_cpu_s(Drainer *d, PyObject *unused) {
-    pthread_mutex_lock(&d->mu);
+    lock_gil_free(&d->mu);
     double s = d->thread_cpu_s;
     pthread_mutex_unlock(&d->mu);
     return PyFloat_FromDouble(s);
