@@ -1,15 +1,16 @@
-/* kvtrace.probes.kv_access._drain: a KV access ring's drain with one release of the GIL.
+/* kvtrace.probes.kv_access._drain: a KV access ring's drains without the GIL.
 
    The reference is the NumPy path in ring.py (`lap_ok`, `_decode_window`) and cuda_ring.py (`_drain_to`);
    this module does the same work and is used where it builds (tests/unit/probes/test_kv_drain_native.py
-   checks that both keep the same records).
+   and test_kv_drain_loop.py check that they keep the same records and count the same drops).
 
    Why it exists: a 1B-class model's engine is bound by its Python thread, and every time another thread
-   takes the GIL back the engine's thread stops for two thread wake-ups, however little that thread then
-   does. The NumPy drain let go of the GIL and took it back a dozen times a drain (each NumPy operation on
-   a big array, each torch copy or event wait), ~150 hand-overs a second at the default granularity.
-   Here a drain waits for the device, copies the new records to pinned memory, and keeps the intact ones in
-   memory of their own, all without the GIL: one hand-over per drain.
+   takes the GIL back the engine's thread stops for it, however little that thread then does. The NumPy
+   drain let go of the GIL and took it back a dozen times a drain (each NumPy operation on a big array,
+   each torch copy or event wait), ~150 hand-overs a second at the default granularity. `drain_device`
+   waits for the device, copies the new records to pinned memory and keeps the intact ones in memory of
+   their own in one call without the GIL; `Drainer` (below) does that in a loop that never takes it, and
+   writes the block records as frames itself (`FrameSink`).
 
    Records are 32 bytes (REC_DTYPE in format/kv_records.py); the lap tag is the top 15 bits of the 32-bit
    word at byte 24 (`meta`). */
@@ -955,6 +956,16 @@ static void drain_once(Drainer *d, int slot, void *event, int take_snapshot) {
     pthread_mutex_unlock(&d->mu);
 }
 
+/* CLOCK_MONOTONIC seconds -> the timespec pthread_cond_timedwait takes (the Drainer's condition uses that clock) */
+static void timespec_at(struct timespec *ts, double t) {
+    ts->tv_sec = (time_t)t;
+    ts->tv_nsec = (long)((t - (double)ts->tv_sec) * 1e9);
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
 /* run(until) -> "stop" | "time": drain when due (every drain_interval, or a requested snapshot) until
    CLOCK_MONOTONIC reaches `until` (seconds) or stop() is called; without the GIL throughout. */
 static PyObject *drainer_run(Drainer *d, PyObject *args) {
@@ -1009,12 +1020,7 @@ static PyObject *drainer_run(Drainer *d, PyObject *args) {
         if (!d->held && d->auto_drain && d->next_drain < deadline)
             deadline = d->next_drain;
         struct timespec ts;
-        ts.tv_sec = (time_t)deadline;
-        ts.tv_nsec = (long)((deadline - (double)ts.tv_sec) * 1e9);
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        timespec_at(&ts, deadline);
         pthread_cond_timedwait(&d->cv, &d->mu, &ts);
     }
     d->running = 0;
@@ -1044,15 +1050,7 @@ static PyObject *drainer_request(Drainer *d, PyObject *args) {
     return PyLong_FromLongLong(ticket);
 }
 
-static void deadline_after(struct timespec *ts, double seconds) {
-    double t = mono_s() + seconds;
-    ts->tv_sec = (time_t)t;
-    ts->tv_nsec = (long)((t - (double)ts->tv_sec) * 1e9);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
+static void deadline_after(struct timespec *ts, double seconds) { timespec_at(ts, mono_s() + seconds); }
 
 /* wait(ticket, timeout_s) -> bool: whether the request's drain is done (GIL let go meanwhile). */
 static PyObject *drainer_wait(Drainer *d, PyObject *args) {
