@@ -326,3 +326,35 @@ def test_the_ring_hands_over_what_the_loop_left_and_counts_its_drops_in_rows():
     ring._take_native()
     assert rec.dropped["kv_access"]["drain-error"] == 2 * 3 and rec.dropped["layer_timings"] == {"drain-error": 1}
     assert len(warnings) == 1 and "CUDA error 700 copying the ring" in warnings[0] and "(1 drain " in warnings[0]
+
+
+def test_the_loop_drains_and_writes_without_ever_taking_the_gil(tmp_path):
+    """On the driver's calls in C (`host_driver`: memcpy, events done at once), the loop drains and writes
+    its frames while this thread runs Python the whole time: had the loop asked for the GIL even once,
+    this thread would have been made to give it up and wait for it back (a voluntary context switch)."""
+    import resource
+
+    ring = FakeRing(cap=1 << 12, tcap=1 << 8)
+    for step in range(40):
+        ring.step(step, 50, timings=2)
+    w = FrameWriter(tmp_path, 1 << 30, 1e9)
+    d = native.Drainer(native.host_driver(), addr(ring.snaps), NSNAP, 900, (2, 3), (5, 6),
+                       (addr(ring.ring), addr(ring.stage), ring.cap), (addr(ring.tring), addr(ring.tstage), ring.tcap),
+                       addr(ring.state), addr(ring.live), 77, 502, w.native_sink(native.FrameSink))
+    d.set_policy(0.002, 0.001, 0.002, True)
+    t = threading.Thread(target=d.run, args=(time.monotonic() + 30,))
+    t.start()
+    time.sleep(0.05)  # the thread is in the loop now: its first drains done
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+    d0 = d.thread_cpu_s()
+    t0, x = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.5:  # pure Python, no call that lets the GIL go
+        x += 1
+    switched = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before
+    drained_meanwhile = d.thread_cpu_s() > d0  # the loop's thread ran drains during the spin
+    d.stop()
+    t.join()
+    blocks, _, counts, error = d.take()
+    assert error is None and blocks == [] and counts["kv_rows"] == 40 * 50 and counts["drains"] > 50
+    assert drained_meanwhile and switched == 0, switched
+    assert w.frames == 1

@@ -1289,7 +1289,26 @@ static PyTypeObject DrainerType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ---- the driver's calls on host memory (tests and benchmarks on machines without a GPU) --------------- */
+
+static int host_sync(void *event) { return 0; }
+static int host_record(void *event, void *stream) { return 0; }
+static int host_copy(void *dst, uint64_t src, size_t bytes, void *stream) {
+    memcpy(dst, (const void *)(uintptr_t)src, bytes);
+    return 0;
+}
+
+/* host_driver() -> (sync, record, copy) addresses for drain_device and Drainer where "device" memory is host
+   memory: copies are memcpy, events are done at once. C functions, so that a Drainer on them takes the GIL
+   no more than it does on the real driver (a ctypes callback would take it for every call). */
+static PyObject *host_driver(PyObject *mod, PyObject *unused) {
+    return Py_BuildValue("(KKK)", (unsigned long long)(uintptr_t)host_sync, (unsigned long long)(uintptr_t)host_record,
+                         (unsigned long long)(uintptr_t)host_copy);
+}
+
 static PyMethodDef methods[] = {
+    {"host_driver", host_driver, METH_NOARGS,
+     "host_driver() -> (sync, record, copy): the driver's calls on host memory, for tests and benchmarks."},
     {"state_launch", (PyCFunction)(void (*)(void))state_launch, METH_FASTCALL,
      "state_launch(f, stream, params, args, step, active): write a ring's step and flags into its StateArgs "
      "struct and launch kv_set_state (1 thread) on the stream, with the GIL kept."},
