@@ -172,6 +172,58 @@ static int copy_window(memcpy_dtoh_async_fn memcpy_async, RingWindow *w, void *s
     return rc;
 }
 
+/* A drain's device side, no GIL needed: (take_snapshot: the state words copied to snap_host and snap_event
+   recorded first) the wait for the snapshot, its heads into w[i].head, both windows copied to their
+   staging memory, and the live heads after the copy into live[]. 0 or the CUresult of the first call that
+   failed (*where says which step); *have_heads once the snapshot was read. */
+static int device_side(event_sync_fn sync, event_record_fn record, memcpy_dtoh_async_fn copy, uint64_t snap_host,
+                       void *snap_event, const int head_word[2], const int live_word[2], uint64_t state,
+                       uint64_t live_host, void *stream, void *copy_event, int take_snapshot, RingWindow w[2],
+                       long long live[2], const char **where, int *have_heads) {
+    int rc = 0;
+    if (take_snapshot) {
+        rc = copy((void *)(uintptr_t)snap_host, state, 8 * sizeof(long long), stream);
+        if (rc == 0)
+            rc = record(snap_event, stream);
+    }
+    if (rc == 0)
+        rc = sync(snap_event);
+    if (rc) {
+        *where = take_snapshot ? "taking the snapshot" : "waiting for the snapshot";
+        return rc;
+    }
+    const long long *snap = (const long long *)(uintptr_t)snap_host;
+    w[0].head = snap[head_word[0]];
+    w[1].head = snap[head_word[1]];
+    *have_heads = 1;
+    for (int i = 0; i < 2 && rc == 0; i++)
+        rc = copy_window(copy, &w[i], stream, where);
+    /* The live heads after the copy: a slot of position p may have been overwritten while it was
+       copied only if position p + capacity was reserved by then, i.e. p < live head - capacity. */
+    if (rc == 0 && (w[0].n || w[1].n)) {
+        rc = copy((void *)(uintptr_t)live_host, state, 8 * sizeof(long long), stream);
+        if (rc == 0)
+            rc = record(copy_event, stream);
+        if (rc == 0)
+            rc = sync(copy_event);
+        if (rc) {
+            *where = "waiting for the copy";
+        } else {
+            const long long *lv = (const long long *)(uintptr_t)live_host;
+            live[0] = lv[live_word[0]];
+            live[1] = lv[live_word[1]];
+        }
+    }
+    return rc;
+}
+
+/* The first position of a copied window that was not overwritten before or while it was copied, as an
+   offset into the window (at most its length). */
+static long long intact_from(const RingWindow *w, long long live) {
+    long long min_valid = live - w->cap > w->lo ? live - w->cap : w->lo;
+    return min_valid - w->lo < w->n ? min_valid - w->lo : w->n;
+}
+
 /* drain_device(fns, snap_event, snap_host, head_words, live_words, rec_ring, tim_ring, state, live_host,
                 stream, copy_event, log2cap, take_snapshot=0)
      -> (error, where, heads, (rec_lo, rec_n, tim_lo, tim_n), (live_rec_head, live_tim_head), kept)
@@ -212,47 +264,16 @@ static PyObject *drain_device(PyObject *mod, PyObject *args) {
     char *kept = NULL;
     Py_ssize_t nkept = 0;
     Py_BEGIN_ALLOW_THREADS
-    if (take_snapshot) {
-        rc = copy((void *)(uintptr_t)snap_host, state, 8 * sizeof(long long), (void *)(uintptr_t)stream);
-        if (rc == 0)
-            rc = record((void *)(uintptr_t)snap_event, (void *)(uintptr_t)stream);
-    }
-    if (rc == 0)
-        rc = sync((void *)(uintptr_t)snap_event);
-    if (rc) {
-        where = take_snapshot ? "taking the snapshot" : "waiting for the snapshot";
-    } else {
-        const long long *snap = (const long long *)(uintptr_t)snap_host;
-        w[0].head = snap[head_word[0]];
-        w[1].head = snap[head_word[1]];
-        have_heads = 1;
-        for (int i = 0; i < 2 && rc == 0; i++)
-            rc = copy_window(copy, &w[i], (void *)(uintptr_t)stream, &where);
-        /* The live heads after the copy: a slot of position p may have been overwritten while it was
-           copied only if position p + capacity was reserved by then, i.e. p < live head - capacity. */
-        if (rc == 0 && (w[0].n || w[1].n)) {
-            rc = copy((void *)(uintptr_t)live_host, state, 8 * sizeof(long long), (void *)(uintptr_t)stream);
-            if (rc == 0)
-                rc = record((void *)(uintptr_t)copy_event, (void *)(uintptr_t)stream);
-            if (rc == 0)
-                rc = sync((void *)(uintptr_t)copy_event);
-            if (rc) {
-                where = "waiting for the copy";
-            } else {
-                const long long *lv = (const long long *)(uintptr_t)live_host;
-                live[0] = lv[live_word[0]];
-                live[1] = lv[live_word[1]];
-            }
-        }
-        if (rc == 0 && w[0].n) {
-            long long min_valid = live[0] - w[0].cap > w[0].lo ? live[0] - w[0].cap : w[0].lo;
-            long long skip = min_valid - w[0].lo < w[0].n ? min_valid - w[0].lo : w[0].n;
-            kept = kept_copy((const char *)(uintptr_t)w[0].stage + skip * REC_BYTES, (Py_ssize_t)(w[0].n - skip),
-                             (uint64_t)(w[0].lo + skip), log2cap, &nkept);
-            if (kept == NULL) {
-                rc = -1;
-                where = "allocating memory for the records";
-            }
+    rc = device_side(sync, record, copy, snap_host, (void *)(uintptr_t)snap_event, head_word, live_word, state,
+                     live_host, (void *)(uintptr_t)stream, (void *)(uintptr_t)copy_event, take_snapshot, w, live,
+                     &where, &have_heads);
+    if (rc == 0 && w[0].n) {
+        long long skip = intact_from(&w[0], live[0]);
+        kept = kept_copy((const char *)(uintptr_t)w[0].stage + skip * REC_BYTES, (Py_ssize_t)(w[0].n - skip),
+                         (uint64_t)(w[0].lo + skip), log2cap, &nkept);
+        if (kept == NULL) {
+            rc = -1;
+            where = "allocating memory for the records";
         }
     }
     Py_END_ALLOW_THREADS
@@ -846,45 +867,21 @@ static void drain_once(Drainer *d, int slot, void *event, int take_snapshot) {
     const char *where = "";
     int rc = 0, have_heads = 0;
     long long head[2] = {0, 0}, live[2] = {0, 0}, kept[2] = {0, 0}, capped[2] = {0, 0};
-    if (take_snapshot) {
-        rc = d->copy((void *)(uintptr_t)snap_host, d->state, 8 * sizeof(long long), d->stream);
-        if (rc == 0)
-            rc = d->record(event, d->stream);
-    }
-    if (rc == 0)
-        rc = d->sync(event);
-    if (rc) {
-        where = take_snapshot ? "taking the snapshot" : "waiting for the snapshot";
-    } else {
-        const long long *snap = (const long long *)(uintptr_t)snap_host;
-        head[0] = w[0].head = snap[d->head_word[0]];
-        head[1] = w[1].head = snap[d->head_word[1]];
-        have_heads = 1;
+    rc = device_side(d->sync, d->record, d->copy, snap_host, event, d->head_word, d->live_word, d->state, d->live_host,
+                     d->stream, d->copy_event, take_snapshot, w, live, &where, &have_heads);
+    if (have_heads) {
+        head[0] = w[0].head;
+        head[1] = w[1].head;
         learn_rate(d, head, mono_s());
-        for (int i = 0; i < 2 && rc == 0; i++)
-            rc = copy_window(d->copy, &w[i], d->stream, &where);
-        if (rc == 0 && (w[0].n || w[1].n)) {
-            rc = d->copy((void *)(uintptr_t)d->live_host, d->state, 8 * sizeof(long long), d->stream);
-            if (rc == 0)
-                rc = d->record(d->copy_event, d->stream);
-            if (rc == 0)
-                rc = d->sync(d->copy_event);
-            if (rc) {
-                where = "waiting for the copy";
-            } else {
-                const long long *lv = (const long long *)(uintptr_t)d->live_host;
-                live[0] = lv[d->live_word[0]];
-                live[1] = lv[d->live_word[1]];
-            }
-        }
+    }
+    if (rc == 0) {
         char **bufs[2] = {&d->kbuf, &d->tbuf};
         size_t *caps[2] = {&d->kcap, &d->tcap};
         char *out[2] = {NULL, NULL};
         for (int i = 0; i < 2 && rc == 0; i++) {
             if (!w[i].n)
                 continue;
-            long long min_valid = live[i] - w[i].cap > w[i].lo ? live[i] - w[i].cap : w[i].lo;
-            long long skip = min_valid - w[i].lo < w[i].n ? min_valid - w[i].lo : w[i].n;
+            long long skip = intact_from(&w[i], live[i]);
             out[i] = grow(bufs[i], caps[i], (size_t)(w[i].n - skip) * REC_BYTES + 1);
             if (out[i] == NULL) {
                 rc = -1;
