@@ -56,7 +56,6 @@ from typing import Any
 
 import numpy as np
 
-from kvtrace.format.kv_records import copy_layers, to_host_ns, unpack_records, unpack_timings
 from kvtrace.probes.kv_access import ring as ring_module
 from kvtrace.probes.kv_access.ring import REC_DTYPE, TIM_DTYPE, KVAccessRing
 from kvtrace.record.clocks import clock_pair
@@ -671,17 +670,9 @@ class CudaKVAccessRing(KVAccessRing):
         with self._take_lock:  # one hand-over at a time, in the order the loop kept them
             blocks, timings, counts, error = self._drainer.take()
             for recs, clock, copies in blocks:
-                good = np.frombuffer(recs, REC_DTYPE)
-                if self._append_records is not None:
-                    self._append_records(good, clock, copies, True)
-                else:
-                    self._emit("kv_access", copy_layers(unpack_records(good, to_host_ns(good["ts"], clock)), copies))
+                self._hand_over(np.frombuffer(recs, REC_DTYPE), False, clock, copies, True)
             for recs, clock, _ in timings:
-                good = np.frombuffer(recs, TIM_DTYPE)
-                if self._append_timings is not None:
-                    self._append_timings(good, clock, True)
-                else:
-                    self._emit("layer_timings", unpack_timings(good, to_host_ns(good["ts"], clock)))
+                self._hand_over(np.frombuffer(recs, TIM_DTYPE), True, clock, (), True)
             st = self.stats
             st["drains"] = st.get("drains", 0) + counts["drains"]
             st["drain_s"] += counts["drain_s"]

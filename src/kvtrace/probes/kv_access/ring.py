@@ -380,9 +380,6 @@ class KVAccessRing:
         """How this ring's timestamps map to host ns (format/kv_records.py to_host_ns)."""
         return IDENTITY_CLOCK
 
-    def _to_host_ns(self, ts: np.ndarray) -> np.ndarray:
-        return to_host_ns(ts, self._clock())
-
     def _emit(self, table: str, cols: dict[str, np.ndarray]) -> None:
         n = len(next(iter(cols.values())))
         if n == 0:
@@ -411,18 +408,26 @@ class KVAccessRing:
         dropped. `owned`: `good` is in memory of its own (not the ring's or its staging memory)."""
         table = "layer_timings" if timing else "kv_access"
         dropped = (head - tail) - good.size
-        if good.size and not timing and self._append_records is not None:
-            # packed as they are; ingest decodes them
-            self._append_records(good, self._clock(), self._copies, owned)
-        elif good.size and timing and self._append_timings is not None:
-            self._append_timings(good, self._clock(), owned)  # decoded at the recorder's flush
-        elif good.size:
-            ts = self._to_host_ns(good["ts"])
-            self._emit(table, unpack_timings(good, ts) if timing else copy_layers(unpack_records(good, ts), self._copies))
+        if good.size:
+            self._hand_over(good, timing, self._clock(), self._copies, owned)
         self.stats["timing_rows" if timing else "kv_rows"] += int(good.size)
         if dropped:
             self.stats["timing_dropped" if timing else "kv_dropped"] += int(dropped)
             self.recorder.count_drop(table, int(dropped) * (1 if timing else self._drop_units), "ring-wrap")
+
+    def _hand_over(self, good: np.ndarray, timing: bool, clock: tuple[int, int, float], copies: tuple[int, ...],
+                   owned: bool) -> None:
+        """Intact records to the recorder: packed as they are where it takes them (block records written as
+        frames and decoded by ingest, timing records decoded at its flush), else decoded into rows here;
+        `clock` maps their timestamps, `copies` are the layers recorded as their sources'."""
+        if not timing and self._append_records is not None:
+            self._append_records(good, clock, copies, owned)
+        elif timing and self._append_timings is not None:
+            self._append_timings(good, clock, owned)
+        else:
+            ts = to_host_ns(good["ts"], clock)
+            self._emit("layer_timings" if timing else "kv_access",
+                       unpack_timings(good, ts) if timing else copy_layers(unpack_records(good, ts), copies))
 
     # The probe whose status says when records were lost without a count (kvtrace's attention probe).
     probe = "attention"
