@@ -74,6 +74,8 @@ VARIANTS = {
     "default-drain-1ms": ["--options-json", '{"kv_drain_interval_s": 0.001}'],
     # ... and every second (or sooner when it may be a quarter full): a tenth of the drains, each ten times larger
     "default-drain-1s": ["--options-json", '{"kv_drain_interval_s": 1.0}'],
+    # the default granularity with the shard writer's flush every 5 s instead of every 2 s
+    "default-flush-5s": ["--flush-interval", "5"],
     # the default granularity with the ring's kernels launched through CuPy (which lets the GIL go around
     # each launch) instead of _drain.c's launch (which keeps it)
     "default-cupy-launch": ["--options-json", '{"kv_native_launch": false}'],

@@ -52,7 +52,10 @@ kernels) and the background threads' work (the GIL they hold: `--threads --py-sp
 kinds of block. `--ab-pause all-threads` brings that work in: as `all`, and kvtrace's background threads
 (the KV ring's drain, the shard writer) start nothing while held, in the off blocks and the first steps of
 the on blocks (left out of the figures), so that their drains and flushes run during the on blocks' timed
-steps (`ThreadHold`; the engine thread waits, untimed, for one under way at a hold); `all-drain` and
+steps (`ThreadHold`; the engine thread waits, untimed, for one under way at a hold), their clocks stopped
+while held so that their timed work comes as often per unheld second as in a real run
+(`all-threads-wall`: wall clocks, which brings what fell due while held into the on blocks, about twice
+the real rate of flushes and more drains); `all-drain` and
 `all-writer` hold only the one thread (the other's work stays spread over both kinds of block), which
 tells the two apart. `--ab-pause
 none` switches nothing (an A/A: the noise and bias of the pairing itself). `--ab-pause state` records in both
@@ -338,6 +341,14 @@ class KvtracePause:
 _NONE = object()
 
 
+class _Gate:
+    """A thread's work that comes every `every_s` (ThreadHold with on_time): `last` = the unheld clock at
+    its last call; `skip`: a call not due returns at once (else it waits until due)."""
+
+    def __init__(self, kind: str, thread, every_s: float, skip: bool) -> None:
+        self.kind, self.thread, self.every_s, self.skip, self.last = kind, thread, float(every_s), skip, -1e18
+
+
 class ThreadHold:
     """`--ab-pause all-threads`: kvtrace's background threads start no new work while held: the KV ring's
     drain thread (its drains, the GPU-side wait and copy, and handing the records over) and the shard writer
@@ -345,31 +356,74 @@ class ThreadHold:
     holds them in the off blocks and in the first AB_SKIP steps of the on blocks (left out of the figures),
     so that everything they do lands in the on blocks' timed steps, where `--ab-pause all` leaves it spread
     over both kinds of block (and so outside the comparison). Each method is shadowed by an instance
-    attribute that `remove` takes away again."""
+    attribute that `remove` takes away again.
+
+    `on_time` (the default; `all-threads-wall` turns it off): the threads' clocks stop while they are held,
+    so that work they time (the writer's flush every `flush_interval_s`, the drain loop's drain every
+    ~0.1 s and its hand-over every HANDOVER_S) comes as often per second of unheld time as it comes per
+    second of a real run. With wall clocks, what fell due while held all runs as soon as the hold ends: a
+    flush every 2 s of wall time is then one every ~1 s of the on blocks (about half the run is held), a
+    drain at the start of every on block besides those on time, and the comparison counts that work about
+    twice; the hand-overs, not held, fall in both kinds of block and half of them outside the comparison.
+    The records are the same either way (made only in the on blocks): each flush or drain then carries
+    fewer of them. The Python drain path (`_drain_to`, `_drain_native` called by the ring's own thread)
+    keeps wall clocks."""
 
     WAIT_S = 5.0  # never blocks a thread longer (an engine-thread flush, should one come, goes on after it)
 
-    def __init__(self, ring, recorder) -> None:
+    def __init__(self, ring, recorder, on_time: bool = True) -> None:
         self._cv = threading.Condition()
-        self._run, self._busy = True, 0
+        self._run, self._busy, self._removed = True, 0, False
+        self.on_time = on_time
         self.waited_s = 0.0  # the engine thread's wait for work under way at the holds (untimed)
+        self.held_s, self._held_at = 0.0, None  # seconds held so far; when the hold under way began
+        self.deferred = {"flush": 0, "hand-over": 0}  # timed calls put off or skipped until due by unheld time
         self._shadowed: list[tuple[object, str, object]] = []  # (object, method, its own attribute before)
-        for obj, names in ((ring, ("_drain_native", "_emit_native", "_drain_to")), (recorder, ("flush",))):
+        # Work its thread does every so many seconds, gated on the unheld clock when on_time (calls from
+        # other threads never are): the writer's flush waits until due (its thread does nothing else); the
+        # drain loop's hand-over of timing records and counts (every HANDOVER_S) is skipped until due, the
+        # next one taking what it left, since waiting would stop that thread's drains too.
+        gates = {}
+        if on_time and recorder is not None and getattr(recorder, "_thread", None) is not None:
+            gates[(id(recorder), "flush")] = _Gate("flush", recorder._thread, recorder.flush_interval_s, False)
+        if on_time and ring is not None and getattr(ring, "_thread", None) is not None \
+                and callable(getattr(ring, "_take_native", None)):
+            gates[(id(ring), "_take_native")] = _Gate("hand-over", ring._thread, ring.HANDOVER_S, True)
+        for obj, names in ((ring, ("_drain_native", "_emit_native", "_drain_to", "_take_native")),
+                           (recorder, ("flush",))):
             for name in names if obj is not None else ():
+                if name == "_take_native" and (id(obj), name) not in gates:
+                    continue  # with wall clocks the hand-overs run as they come (as before on_time existed)
                 if callable(getattr(obj, name, None)):
-                    self._shadow(obj, name)
+                    self._shadow(obj, name, gates.get((id(obj), name)))
         self.names = [f"{type(obj).__name__}.{name}" for obj, name, _ in self._shadowed]  # what was held
         # the ring's drain loop in C (no Python method to shadow): held by its own switch
         self._drainer = getattr(ring, "_drainer", None) if ring is not None else None
         if self._drainer is not None:
             self.names.append("Drainer (native loop)")
 
-    def _shadow(self, obj: object, name: str) -> None:
+    def unheld_s(self) -> float:
+        """Seconds of `perf_counter` not held so far (its origin arbitrary): the threads' clock when on_time."""
+        now = time.perf_counter()
+        return now - self.held_s - (now - self._held_at if self._held_at is not None else 0.0)
+
+    def _shadow(self, obj: object, name: str, gate: "_Gate | None") -> None:
         orig = getattr(obj, name)
 
         def held(*args, **kwargs):
             with self._cv:  # the check and the count under one lock: a hold cannot slip between them
-                self._cv.wait_for(lambda: self._run, timeout=self.WAIT_S)
+                while True:
+                    self._cv.wait_for(lambda: self._run or self._removed, timeout=self.WAIT_S)
+                    mine = gate is not None and not self._removed and threading.current_thread() is gate.thread
+                    due = gate.last + gate.every_s - self.unheld_s() if mine else 0.0
+                    if due <= 0.0 or not self._run:  # due, or held past WAIT_S: run it
+                        break
+                    self.deferred[gate.kind] += 1
+                    if gate.skip:
+                        return None
+                    self._cv.wait(timeout=due)  # not due yet (a hold or its release wakes it)
+                if mine:
+                    gate.last = self.unheld_s()
                 self._busy += 1
             try:
                 return orig(*args, **kwargs)
@@ -386,10 +440,16 @@ class ThreadHold:
             if run == self._run:
                 return
             self._run = run
+            now = time.perf_counter()
+            if run and self._held_at is not None:
+                self.held_s += now - self._held_at
+                self._held_at = None
+            elif not run:
+                self._held_at = now
             if self._drainer is not None:  # held: waits for a drain under way, as below
-                self.waited_s += self._drainer.hold(not run, self.WAIT_S)
+                self.waited_s += self._drainer.hold(not run, self.WAIT_S, self.on_time)
+            self._cv.notify_all()  # a deferred flush re-reads its clock
             if run:
-                self._cv.notify_all()
                 return
             t0 = time.perf_counter()
             self._cv.wait_for(lambda: self._busy == 0, timeout=self.WAIT_S)
@@ -397,6 +457,9 @@ class ThreadHold:
 
     def remove(self) -> None:
         self.set(True)
+        with self._cv:
+            self._removed = True
+            self._cv.notify_all()
         for obj, name, own in self._shadowed:
             if own is _NONE:
                 vars(obj).pop(name, None)
@@ -816,8 +879,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     work = ThreadWork(ring, current_recorder()) if args.ab_calls else None
     hold = None
     if args.ab_pause in HELD:
-        drain, writer = HELD[args.ab_pause]
-        hold = ThreadHold(ring if drain else None, current_recorder() if writer else None)
+        drain, writer, on_time = HELD[args.ab_pause]
+        hold = ThreadHold(ring if drain else None, current_recorder() if writer else None, on_time)
     if args.skip_kv_writes:
         if current_recorder() is None:
             raise SystemExit("profile --skip-kv-writes: no recorder in this process (run a recorded variant)")
@@ -896,7 +959,9 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
                                              "rows": drained_rows(ring) - rows0,
                                              "threads_cpu_s": sum(kvtrace_threads_cpu_s()) - cpu0,
                                              "probe_faults": pause.faults() if pause is not None else {},
-                                             "held": {"methods": hold.names, "waited_s": hold.waited_s}
+                                             "held": {"methods": hold.names, "waited_s": hold.waited_s,
+                                                      "on_time": hold.on_time, "held_s": hold.held_s,
+                                                      "deferred": hold.deferred}
                                              if hold is not None else None,
                                              "call_times": methods.ns if methods is not None else None,
                                              "thread_usage": usage.sums if usage is not None else None,
@@ -1066,8 +1131,12 @@ def threads_where(r: dict) -> str:
     held = r.get("held")
     if not held:
         return "spread over both kinds of block"
+    clocks = ("" if "on_time" not in held else
+              f"; their clocks {'stopped' if held['on_time'] else 'running'} while held ({held['held_s']:.1f} s held"
+              + (f"; put off to their unheld time: {held['deferred']['flush']} flushes, "
+                 f"{held['deferred']['hand-over']} of the drain loop's hand-overs skipped)" if held["on_time"] else ")"))
     return (f"held in the off blocks, inside the on blocks: {', '.join(held['methods'])}; the engine thread waited "
-            f"{held['waited_s']:.2f} s in all, untimed, for work under way at the holds")
+            f"{held['waited_s']:.2f} s in all, untimed, for work under way at the holds{clocks}")
 
 
 def pooled_report(paths: list[str]) -> str:
@@ -1103,11 +1172,15 @@ def pooled_report(paths: list[str]) -> str:
                       *lines, *ab_calls_report(dict(sorted(methods.items())), paused), *usage_report(usage, paused)])
 
 
-# --ab-pause modes that hold background threads (ThreadHold): (the KV ring's drain thread, the shard writer)
-HELD = {"all-threads": (True, True), "all-drain": (True, False), "all-writer": (False, True)}
+# --ab-pause modes that hold background threads (ThreadHold): (the KV ring's drain thread, the shard writer,
+# their clocks stopped while held); `all-threads-wall`: wall clocks, their timed work counted about twice
+HELD = {"all-threads": (True, True, True), "all-drain": (True, False, True), "all-writer": (False, True, True),
+        "all-threads-wall": (True, True, False)}
 # --ab-pause: what the two blocks of a pair are called (the first is the one `block_records` picks)
 PAUSE_NAMES = {"records": ("recording", "paused"), "all": ("kvtrace on", "kvtrace off"), "none": ("A", "A again"),
                "all-threads": ("kvtrace on with its threads' work", "kvtrace off, its threads held"),
+               "all-threads-wall": ("kvtrace on with its threads' work by wall clocks",
+                                    "kvtrace off, its threads held"),
                "all-drain": ("kvtrace on with its drain thread's work", "kvtrace off, its drain thread held"),
                "all-writer": ("kvtrace on with its writer thread's work", "kvtrace off, its writer thread held"),
                "state": ("state launch deferred", "state launch in begin_step"),
@@ -1293,7 +1366,7 @@ def main() -> None:
                     help="with --ab-blocks, what the paused block switches off: the ring's records (records), "
                     "all of kvtrace (all), all of it with its background threads held so that their work lands in "
                     "the on blocks (all-threads; all-drain, all-writer: only the KV ring's drain thread or the shard "
-                    "writer held), the state launch's deferral (state), a writer-like load on a thread of the "
+                    "writer held; all-threads-wall: their clocks running while held), the state launch's deferral (state), a writer-like load on a thread of the "
                     "engine's process or in a process of its own, kvtrace recording the same in both (load-thread, "
                     "load-process), or nothing, an A/A (none)")
     ap.add_argument("--load-mb-s", type=float, default=33.0,
@@ -1336,8 +1409,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtrace-profile-") as scratch:
         model = bgt.write_model(Path(scratch) / "model", args.shape)
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        for i, v in enumerate([v for _ in range(args.rounds) for v in variants]):
-            result = out / f"{args.shape}-{v}.txt"
+        runs = [v for _ in range(args.rounds) for v in variants]
+        for i, v in enumerate(runs):
+            # a variant named more than once (default,default: more processes of one A/B) keeps each result
+            again = runs[:i].count(v)
+            result = out / f"{args.shape}-{v}{f'-{again + 1}' if again else ''}.txt"
             session = Path(scratch) / f"session-{v}-{i}"
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", str(model), "--result",
                    str(result), "--reps", str(args.reps), "--num-prompts", str(args.num_prompts),

@@ -253,6 +253,83 @@ def test_thread_hold_keeps_new_work_waiting_and_waits_for_work_under_way(profile
     assert "flush" not in vars(rec) and hold.names == ["Recorder.flush"]
 
 
+def _writer_flushes(profile, on_time: bool, seconds: float = 2.0, block_s: float = 0.05,
+                    interval_s: float = 0.2) -> tuple[int, float, int]:
+    """A writer-like thread (flush every interval_s, as Recorder._run) under a ThreadHold that holds it
+    every other block_s: (its flushes, the unheld seconds, flushes another thread made meanwhile)."""
+    flushes, stop = [], threading.Event()
+
+    class Recorder:
+        flush_interval_s = interval_s
+
+        def flush(self):
+            flushes.append(threading.current_thread() is self._thread)
+
+        def _run(self):
+            while not stop.wait(self.flush_interval_s):
+                self.flush()
+
+    rec = Recorder()
+    rec._thread = threading.Thread(target=rec._run, name="kvtrace-writer")
+    hold = profile.ThreadHold(None, rec, on_time)
+    rec._thread.start()
+    end, run, u0 = time.perf_counter() + seconds, True, hold.unheld_s()
+    while time.perf_counter() < end:
+        hold.set(run)
+        if run:
+            rec.flush()  # not the writer's own: never put off
+        time.sleep(block_s)
+        run = not run
+    hold.set(True)
+    unheld = hold.unheld_s() - u0
+    hold.remove()
+    stop.set()
+    rec._thread.join(5)
+    return sum(flushes), unheld, len(flushes) - sum(flushes)
+
+
+def test_thread_hold_stops_the_writers_clock_while_it_is_held(profile):
+    """ThreadHold(on_time=True): the writer's flushes come once per flush_interval_s of unheld time; with
+    wall clocks (all-threads-wall) every flush that fell due while held runs at the release, about twice as
+    many here (held half the time). Flushes from other threads are never put off."""
+    timed, unheld, others = _writer_flushes(profile, True)
+    walled, _, _ = _writer_flushes(profile, False)
+    assert 0.8 <= unheld <= 1.2 and others >= 10
+    assert 2 <= timed <= unheld / 0.2 + 2, (timed, unheld)  # ~6: at once, then one a 0.2 s of unheld time
+    assert walled >= 1.4 * timed, (walled, timed)  # ~8: one a 0.2 s of wall time, at the next release
+
+
+def test_thread_hold_skips_the_drain_loops_hand_overs_until_due_by_its_unheld_clock(profile):
+    """ThreadHold(on_time=True): the drain loop's thread comes back to hand over every HANDOVER_S of wall
+    time; a call before HANDOVER_S of unheld time has passed returns at once (the next takes what it left),
+    so the hand-overs come at their real rate per unheld second. Other threads' calls always go through."""
+    taken, stop = [], threading.Event()
+
+    class Ring:
+        HANDOVER_S = 0.2
+
+        def _take_native(self):
+            taken.append(threading.current_thread() is self._thread)
+
+        def _loop(self):
+            while not stop.wait(0.02):
+                self._take_native()
+
+    ring = Ring()
+    ring._thread = threading.Thread(target=ring._loop)
+    hold = profile.ThreadHold(ring, None)
+    assert hold.names == ["Ring._take_native"]
+    ring._thread.start()
+    time.sleep(1.0)
+    ring._take_native()
+    stop.set()
+    ring._thread.join(5)
+    hold.remove()
+    assert taken.count(False) == 1 and 3 <= taken.count(True) <= 7, taken  # ~6 of ~50 calls
+    assert hold.deferred["hand-over"] >= 20 and "_take_native" not in vars(ring)
+    assert profile.ThreadHold(ring, None, on_time=False).names == []  # wall clocks: the hand-overs as they come
+
+
 def test_all_threads_holds_them_outside_the_on_blocks_timed_steps(profile, monkeypatch, tmp_path):
     """The worker pauses kvtrace as `all` does and runs its threads only from the AB_SKIP-th step of an on
     block; afterwards nothing is held or shadowed, and the report says where the threads worked."""

@@ -169,6 +169,28 @@ def test_a_held_loop_starts_no_drain_until_let_go():
     assert time.monotonic() < deadline
 
 
+def test_a_hold_with_its_clock_paused_moves_the_next_drain_on_by_the_time_held():
+    """hold(..., pause_clock=True): a drain that fell due while held is not made at the release; the next
+    comes the rest of the interval later, as if the held time had not passed."""
+    ring, drv = FakeRing(), FakeDriver()
+    d = ring.drainer(drv)
+    d.set_policy(1.0, 0.001, 1.0, True)  # the first timed drain 1 s from now
+    d.hold(True)
+    t = threading.Thread(target=d.run, args=(time.monotonic() + 30,))
+    t.start()
+    ring.step(0, 5)
+    time.sleep(1.3)  # past due while held
+    released = time.monotonic()
+    d.hold(False, 5.0, True)
+    time.sleep(0.3)
+    assert d.take()[2]["drains"] == 0  # due ~1 s after the hold began, by the unheld clock
+    while d.take()[2]["drains"] == 0 and time.monotonic() < released + 5:
+        time.sleep(0.01)
+    d.stop()
+    t.join()
+    assert time.monotonic() < released + 5
+
+
 def test_run_returns_at_its_deadline_and_refuses_a_second_runner():
     ring, drv = FakeRing(), FakeDriver()
     d = ring.drainer(drv)

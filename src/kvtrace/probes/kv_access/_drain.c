@@ -685,6 +685,7 @@ typedef struct {
     int auto_drain;
     double every_s, min_s, fill_s, next_drain;
     double mark_t;
+    double held_at; /* when the hold under way began (hold(..., pause_clock)) */
     long long mark[2];
     int have_mark;
     /* requests (from any thread): the newest explicit snapshot waits here */
@@ -1078,17 +1079,28 @@ static PyObject *drainer_stop(Drainer *d, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* hold(on, timeout_s=5) -> seconds waited: while held no drain starts; holding waits for one under way. */
+/* hold(on, timeout_s=5, pause_clock=False) -> seconds waited: while held no drain starts; holding waits
+   for one under way. pause_clock: the drain clock stops while held (the next timed drain and the fill
+   rate's mark move on by the time held), so that releasing it does not start a drain that fell due while
+   held: benchmarks that hold the loop for part of a run then see drains as often per unheld second as a
+   run sees them. */
 static PyObject *drainer_hold(Drainer *d, PyObject *args) {
-    int on;
+    int on, pause_clock = 0;
     double timeout = 5.0;
-    if (!PyArg_ParseTuple(args, "p|d", &on, &timeout))
+    if (!PyArg_ParseTuple(args, "p|dp", &on, &timeout, &pause_clock))
         return NULL;
     double t0 = mono_s();
     Py_BEGIN_ALLOW_THREADS
     struct timespec ts;
     deadline_after(&ts, timeout);
     pthread_mutex_lock(&d->mu);
+    if (on && !d->held) {
+        d->held_at = t0;
+    } else if (!on && d->held && pause_clock) {
+        double held_s = mono_s() - d->held_at;
+        d->next_drain += held_s;
+        d->mark_t += held_s;
+    }
     d->held = on;
     pthread_cond_broadcast(&d->cv);
     while (on && d->busy) {
@@ -1262,7 +1274,8 @@ static PyMethodDef drainer_methods[] = {
     {"wait", (PyCFunction)drainer_wait, METH_VARARGS, "wait(ticket, timeout_s) -> whether that drain is done."},
     {"stop", (PyCFunction)drainer_stop, METH_NOARGS, "stop(): run() returns after the drain under way."},
     {"hold", (PyCFunction)drainer_hold, METH_VARARGS,
-     "hold(on, timeout_s=5) -> seconds waited: no drain starts while held (benchmarks)."},
+     "hold(on, timeout_s=5, pause_clock=False) -> seconds waited: no drain starts while held; pause_clock: "
+     "the drain clock stops meanwhile (benchmarks)."},
     {"set_clock", (PyCFunction)drainer_set_clock, METH_VARARGS, "set_clock(dev_ref, host_ref, slope)."},
     {"set_copies", (PyCFunction)drainer_set_copies, METH_O, "set_copies(ints): (layer, source) pairs, flattened."},
     {"set_policy", (PyCFunction)drainer_set_policy, METH_VARARGS, "set_policy(every_s, min_s, fill_s, auto_drain)."},
