@@ -9,6 +9,7 @@ import errno
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -350,16 +351,15 @@ def test_the_ring_hands_over_what_the_loop_left_and_counts_its_drops_in_rows():
     assert len(warnings) == 1 and "CUDA error 700 copying the ring" in warnings[0] and "(1 drain " in warnings[0]
 
 
-def test_the_loop_drains_and_writes_without_ever_taking_the_gil(tmp_path):
-    """On the driver's calls in C (`host_driver`: memcpy, events done at once), the loop drains and writes
-    its frames while this thread runs Python the whole time: had the loop asked for the GIL even once,
-    this thread would have been made to give it up and wait for it back (a voluntary context switch)."""
+def _spin_beside_the_loop(out_dir: str) -> dict:
+    """The drain loop drains and writes 40 steps of records while this thread runs pure Python for 0.5 s:
+    the voluntary context switches this thread made meanwhile, and what the loop did."""
     import resource
 
     ring = FakeRing(cap=1 << 12, tcap=1 << 8)
     for step in range(40):
         ring.step(step, 50, timings=2)
-    w = FrameWriter(tmp_path, 1 << 30, 1e9)
+    w = FrameWriter(Path(out_dir), 1 << 30, 1e9)
     d = native.Drainer(native.host_driver(), addr(ring.snaps), NSNAP, 900, (2, 3), (5, 6),
                        (addr(ring.ring), addr(ring.stage), ring.cap), (addr(ring.tring), addr(ring.tstage), ring.tcap),
                        addr(ring.state), addr(ring.live), 77, 502, w.native_sink(native.FrameSink))
@@ -367,6 +367,7 @@ def test_the_loop_drains_and_writes_without_ever_taking_the_gil(tmp_path):
     t = threading.Thread(target=d.run, args=(time.monotonic() + 30,))
     t.start()
     time.sleep(0.05)  # the thread is in the loop now: its first drains done
+    threads = threading.active_count()
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
     d0 = d.thread_cpu_s()
     t0, x = time.perf_counter(), 0
@@ -377,6 +378,29 @@ def test_the_loop_drains_and_writes_without_ever_taking_the_gil(tmp_path):
     d.stop()
     t.join()
     blocks, _, counts, error = d.take()
-    assert error is None and blocks == [] and counts["kv_rows"] == 40 * 50 and counts["drains"] > 50
-    assert drained_meanwhile and switched == 0, switched
-    assert w.frames == 1
+    return {"threads": threads, "switched": switched, "drained_meanwhile": drained_meanwhile,
+            "error": error, "blocks": len(blocks), "kv_rows": counts["kv_rows"], "drains": counts["drains"],
+            "frames": w.frames}
+
+
+def test_the_loop_drains_and_writes_without_ever_taking_the_gil(tmp_path):
+    """On the driver's calls in C (`host_driver`: memcpy, events done at once), the loop drains and writes
+    its frames while this thread runs Python the whole time: had the loop asked for the GIL even once,
+    this thread would have been made to give it up and wait for it back (a voluntary context switch).
+    In a fresh interpreter, so that no thread an earlier test left in this process (a Py4J gateway's,
+    say) can be the one that asks."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from tests.unit.probes.test_kv_drain_loop import _spin_beside_the_loop as f; "
+            "print(json.dumps(f(sys.argv[1])))")
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["threads"] == 2, got  # this one and the loop's: nothing else could ask for the GIL
+    assert got["error"] is None and got["blocks"] == 0 and got["kv_rows"] == 40 * 50 and got["drains"] > 50
+    assert got["drained_meanwhile"] and got["switched"] == 0, got
+    assert got["frames"] == 1
