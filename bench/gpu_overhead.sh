@@ -12,6 +12,9 @@
 #   AB_CALLS=1 AB_PAUSE=all ... bash bench/gpu_overhead.sh ab   # also vLLM's methods timed by block (--ab-calls)
 #   AB_CALLS=1 AB_PAUSE=all-threads VARIANTS=default,default REPS=90 bash bench/gpu_overhead.sh ab-gpus  # all of
 #                                                   # kvtrace, its drain and writer threads' work in the on blocks
+#                                                   # at its real rate (their clocks stop while held;
+#                                                   # AB_PAUSE=all-threads-wall: wall clocks, the work that fell
+#                                                   # due while held run in the on blocks)
 #   AB_CALLS=1 VARIANTS=default,default AB_PAUSE=all-drain,all-writer REPS=90 bash bench/gpu_overhead.sh ab-gpus
 #                                                   # only the one thread held (AB_PAUSE: one mode, or one a GPU)
 #   AB_CALLS=1 AB_PAUSE=state VARIANTS=default,default REPS=90 bash bench/gpu_overhead.sh ab-gpus   # the ring's
