@@ -107,6 +107,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -796,8 +797,12 @@ def ab_call_diffs(r: dict, pairs: list[tuple[int, int, int, int]], key: str = "c
 # timed span; ~2 us of syscalls a step, the same in both kinds of block): extra wall time with no extra
 # CPU and extra voluntary switches is time spent waiting (for the GIL, held by a background thread); extra
 # CPU is work on the thread itself, or the same work made slower (caches shared with the other threads).
+# It also counts the garbage collector's passes that ran during the step (any thread's: a pass holds the
+# GIL) and their wall time: kvtrace's objects (rows held until a hand-over, the lists it copies) bring
+# vLLM's collections sooner and make each longer, inside vLLM's own code wherever it allocates.
 USAGE = (("CPU time, us", 1e-3), ("off the CPU, us", 1e-3), ("voluntary switches", 1.0),
-         ("involuntary switches", 1.0), ("minor page faults", 1.0))
+         ("involuntary switches", 1.0), ("minor page faults", 1.0), ("GC passes", 1.0),
+         ("GC passes of the oldest generation", 1.0), ("GC time, us", 1e-3))
 
 
 class StepUsage:
@@ -809,16 +814,33 @@ class StepUsage:
 
         self._usage = lambda: resource.getrusage(resource.RUSAGE_THREAD)
         self.sums: dict[str, dict[int, list[int]]] = {name: {} for name, _ in USAGE}
+        self.gc = [0, 0, 0]  # passes, passes of generation 2, ns in them (all since the start)
+        self._gc_start = 0
+        gc.callbacks.append(self._gc_pass)
+
+    def _gc_pass(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter_ns()
+            return
+        self.gc[0] += 1
+        self.gc[1] += info.get("generation") == 2
+        self.gc[2] += time.perf_counter_ns() - self._gc_start
+
+    def remove(self) -> None:
+        if self._gc_pass in gc.callbacks:
+            gc.callbacks.remove(self._gc_pass)
 
     def before(self) -> tuple:
         ru = self._usage()
-        return ru.ru_nvcsw, ru.ru_nivcsw, time.thread_time_ns(), ru.ru_minflt
+        return ru.ru_nvcsw, ru.ru_nivcsw, time.thread_time_ns(), ru.ru_minflt, *self.gc
 
     def after(self, block: int, start: tuple, wall_ns: int) -> None:
         cpu_ns = time.thread_time_ns() - start[2]
         ru = self._usage()
+        gc_now = self.gc
         for (name, _), value in zip(USAGE, (cpu_ns, wall_ns - cpu_ns, ru.ru_nvcsw - start[0],
-                                            ru.ru_nivcsw - start[1], ru.ru_minflt - start[3])):
+                                            ru.ru_nivcsw - start[1], ru.ru_minflt - start[3],
+                                            gc_now[0] - start[4], gc_now[1] - start[5], gc_now[2] - start[6])):
             cur = self.sums[name].setdefault(block, [0, 0])
             cur[0] += value
             cur[1] += 1
@@ -943,6 +965,8 @@ def ab_blocks_worker(args, llm, params, prompts) -> None:
     engine.step = original
     if methods is not None:
         methods.remove()
+    if usage is not None:
+        usage.remove()
     if pause is not None:
         pause.set(True)
     if hold is not None:

@@ -236,6 +236,62 @@ def test_a_replay_past_the_hook_is_said_and_the_step_id_is_set_at_begin_step_aft
     g.close()
     steps = [r[0] for r in kv(rg)]
     assert set(steps) == {1, 3} and steps.count(1) == 2 * steps.count(3) > 0
+    # the graph's take node found no ticket in the two replays past the hook: counted, and said
+    assert (g.stats["step_tickets"], g.stats["step_tickets_lost"]) == (1, 2)
+    assert "without a step ticket" in rg.status["attention"][1]
+
+
+def test_graph_replays_take_their_step_from_tickets_while_the_host_runs_ahead():
+    """A graph captured with the ring's kernels sets its step itself, from the ticket that the replay hook
+    writes into pinned host memory before each replay: no state launch a step, and every replay records
+    under its own step and sampling flag while the host queues replays far ahead of the GPU (behind a
+    0.1 s kernel, no sync between them), as under vLLM's async scheduling."""
+    rng = random.Random(12)
+    meta = make_metadata(rng, num_reqs=8)
+    static = on_dev(meta)
+    g, rg, c, rc = rings(capacity=1 << 16, granularity="blocks")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g.record_layer(0, *static)
+        g.record_layer(1, *static)
+    launches = []
+    real = g._launch_state
+    g._launch_state = lambda: (launches.append(g.step), real())
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: every replay below queues behind it
+    for step in range(1, 41):
+        record = step % 5 != 0
+        g.begin_step(step, record=record)
+        c.begin_step(step, record=record)
+        graph.replay()
+        c.record_layer(0, *meta)
+        c.record_layer(1, *meta)
+    assert launches == []  # the replays set their steps: no kv_set_state launch for any step
+    g.close()
+    c.close()
+    assert kv(rg) == kv(rc) and {r[0] for r in kv(rg)} == {s for s in range(1, 41) if s % 5}
+    assert timings(rg) == timings(rc)
+    assert (g.stats["step_tickets"], g.stats["step_tickets_lost"]) == (40, 0)
+
+
+def test_tickets_overwritten_before_the_gpu_took_them_are_counted(monkeypatch):
+    """The host writes TICKETS tickets ahead at most: a replay whose ticket was overwritten by one
+    TICKETS replays later (the GPU that far behind) keeps the step before's id, and is counted."""
+    from kvtrace.probes.kv_access import cuda_ring
+
+    monkeypatch.setattr(cuda_ring, "TICKETS", 16)
+    static = on_dev(make_metadata(random.Random(13), num_reqs=4))
+    g, rg, _, _ = rings(capacity=1 << 16, granularity="blocks")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g.record_layer(0, *static)
+    torch.cuda._sleep(200_000_000)  # the 40 replays' tickets are all written before the first is taken
+    for step in range(1, 41):
+        g.begin_step(step)
+        graph.replay()
+    g.close()
+    assert (g.stats["step_tickets"], g.stats["step_tickets_lost"]) == (40, 24)
+    assert rg.status["attention"][0] == "degraded"
+    assert {r[0] for r in kv(rg)} == set(range(25, 41))  # the last 16 replays' own steps (earlier: no step set)
 
 
 @pytest.mark.parametrize("launch", ["native", "cupy"])

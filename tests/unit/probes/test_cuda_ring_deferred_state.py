@@ -2,8 +2,10 @@
 just before the ring's next kernel in stream order rather than in begin_step: before its next record_layer,
 before the next CUDA graph replay (the graph may hold its kernels: torch.cuda.CUDAGraph.replay is wrapped),
 or before an explicit drain. A forward pass that ends with the launch still due ran its kernels past the
-hook: the probe says so and the launch is made in begin_step from then on. No GPU needed: the ring's host
-side, a recording function for the driver's launch and a stand-in for torch.cuda.CUDAGraph."""
+hook: the probe says so and the launch is made in begin_step from then on. A graph captured with the
+ring's kernels holds a take node instead (`kv_take_state`), and its replays publish a step ticket in host
+memory rather than launching. No GPU needed: the ring's host side, a recording function for the driver's
+launch and a stand-in for torch.cuda.CUDAGraph."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from kvtrace.probes.kv_access import cuda_ring
 from kvtrace.probes.kv_access.cuda_ring import CudaKVAccessRing
 from kvtrace.record.recorder import MemoryRecorder
 
-STATE, RECORD = 4321, 1234  # stand-ins for the kv_set_state and kv_record CUfunctions
+STATE, RECORD, TAKE = 4321, 1234, 5678  # stand-ins for the kv_set_state, kv_record, kv_take_state CUfunctions
 
 
 class FakeGraph:
@@ -25,6 +27,8 @@ class FakeGraph:
 
     def replay(self):
         self.log.append("replay")
+        if getattr(self, "fail", None):
+            raise self.fail.pop()
 
 
 @pytest.fixture()
@@ -34,6 +38,7 @@ def graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", cls)
     monkeypatch.setattr(cuda_ring, "_CAPTURES", [0, 0])
     monkeypatch.setattr(cuda_ring, "_STATE_DUE", [])
+    monkeypatch.setattr(cuda_ring, "_CAPTURE_GRAPH", [None])
     assert cuda_ring._install_replay_hook() and cuda_ring._install_replay_hook()  # once, then a no-op
     return cls
 
@@ -55,6 +60,9 @@ def host_ring(log: list, fail: list | None = None) -> CudaKVAccessRing:
     ring._state_args = cuda_ring._StateArgs(state=ring._state.data_ptr())
     ring._state_launch = cuda_ring._Launch(ring._state_args, 1)
     ring._f_state, ring._state_launch_native = STATE, None
+    ring._f_take, ring._take_capture, ring._ticket = TAKE, -1, 0
+    ring._tickets_np = torch.zeros(cuda_ring.TICKETS * cuda_ring.TICKET_WORDS + 1, dtype=torch.int64).numpy()
+    ring._take_launch = cuda_ring._Launch(cuda_ring._StateArgs(), 1)
     ring._checked_key = ring._pass_tensors = ring._counted = None
     ring.count_once, ring._capture_hooked, ring._replay_hooked = True, True, cuda_ring._install_replay_hook()
     ring.overlap, ring._side_ptr, ring._warned_capture = False, -1, False
@@ -63,7 +71,9 @@ def host_ring(log: list, fail: list | None = None) -> CudaKVAccessRing:
 
     def launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params_addr, extra):
         struct = ctypes.cast(params_addr, ctypes.POINTER(ctypes.c_void_p))[0]
-        if fn == STATE:
+        if fn == TAKE:
+            log.append(("take",))
+        elif fn == STATE:
             if fail:
                 raise fail.pop()
             args = ctypes.cast(struct, ctypes.POINTER(cuda_ring._StateArgs)).contents
@@ -185,3 +195,79 @@ def test_another_threads_replay_leaves_the_launch_due(graphs):
     assert log == ["replay"] and ring._state_due  # its stream is not the step's
     graphs(log).replay()
     assert log[1:] == [("state", 11, 1), "replay"]
+
+
+def capture(ring, graph, monkeypatch, layers=2):
+    """Capture `layers` record launches into `graph` as torch.cuda.CUDAGraph's hooked capture_begin would."""
+    cuda_ring._CAPTURES[0] += 1
+    cuda_ring._CAPTURES[1] += 1
+    cuda_ring._CAPTURE_GRAPH[0] = graph
+    monkeypatch.setattr(ring, "_capturing", lambda: True, raising=False)
+    for layer in range(layers):
+        ring.record_layer(layer, *metadata())
+    cuda_ring._CAPTURES[0] -= 1
+    cuda_ring._CAPTURE_GRAPH[0] = None
+    monkeypatch.setattr(ring, "_capturing", lambda: False, raising=False)
+
+
+def tickets(ring):
+    """The tickets published so far, (step, active, number) each, and the count published."""
+    t, words = ring._tickets_np, cuda_ring.TICKET_WORDS
+    n = int(t[cuda_ring.TICKETS * words])
+    return [tuple(int(v) for v in t[i * words:i * words + 3]) for i in range(n)], n
+
+
+def test_a_captured_graph_holds_a_take_node_and_its_replays_publish_tickets_not_launches(graphs, monkeypatch):
+    log = []
+    ring = host_ring(log)
+    ring.begin_step(4)
+    g = graphs(log)
+    capture(ring, g, monkeypatch)
+    # one take node, ahead of the graph's first kernel of the ring; the step launch stays due (not captured)
+    assert log == [("take",), ("layer", 0), ("layer", 1)] and getattr(g, cuda_ring.TAKES) == [ring]
+    log.clear()
+    ring.begin_step(5)
+    g.replay()
+    ring.begin_step(6, record=False)
+    g.replay()
+    assert log == ["replay", "replay"]  # no kv_set_state launch for either step
+    assert tickets(ring) == ([(5, 1, 0), (6, 0, 1)], 2) and cuda_ring._STATE_DUE == [] and not ring._state_due
+
+
+def test_each_graph_captured_gets_its_own_take_node_and_every_replay_a_ticket(graphs, monkeypatch):
+    log = []
+    ring = host_ring(log)
+    a, b = graphs(log), graphs(log)
+    capture(ring, a, monkeypatch)
+    capture(ring, b, monkeypatch, layers=1)
+    assert [e for e in log if e == ("take",)] == [("take",), ("take",)]
+    ring.begin_step(1)
+    a.replay()
+    b.replay()  # e.g. a drafter's graph in the same step: its own ticket, the same step
+    ring.begin_step(2)
+    b.replay()
+    assert tickets(ring)[0] == [(1, 1, 0), (1, 1, 1), (2, 1, 2)]
+
+
+def test_a_replay_that_raises_takes_its_ticket_back(graphs, monkeypatch):
+    log = []
+    ring = host_ring(log)
+    g = graphs(log)
+    capture(ring, g, monkeypatch)
+    ring.begin_step(1)
+    g.fail = [RuntimeError("replay failed")]
+    with pytest.raises(RuntimeError, match="replay failed"):
+        g.replay()
+    assert tickets(ring) == ([], 0) and ring._ticket == 0  # the next replay's ticket is number 0 again
+    g.replay()
+    assert tickets(ring) == ([(1, 1, 0)], 1)
+
+
+def test_a_capture_not_begun_through_the_hook_gets_no_take_node(graphs, monkeypatch):
+    log = []
+    ring = host_ring(log)
+    ring.begin_step(3)
+    cuda_ring._CAPTURES[0] = cuda_ring._CAPTURES[1] = 1  # counted, but no graph object known
+    monkeypatch.setattr(ring, "_capturing", lambda: True, raising=False)
+    ring.record_layer(0, *metadata())
+    assert log == [("layer", 0)] and ring._state_due  # the replay's deferred launch sets the step then

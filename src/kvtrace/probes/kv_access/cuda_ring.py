@@ -19,6 +19,12 @@ Hot path (inference thread), per call:
     A step whose forward pass ends with the launch still due ran its kernels past the replay hook
     (`state_missed`): its records may carry the step before's id, which the probe's status says, and the
     launch is made at `begin_step` from then on.
+  - a graph replay: no launch at all for a graph captured with this ring's kernels. Its capture put a
+    1-thread `kv_take_state` ahead of them (`_capture_take`), which reads the step id and sampling flag from
+    a ticket in pinned host memory: the replay hook writes the replay's ticket (`_publish`, four stores)
+    before the replay, and the device takes tickets in the order of the replays, so each replay gets its own
+    step also while the host runs steps ahead of the GPU (async scheduling). A replay that found no ticket
+    (replayed past the hook) keeps the step before's id and is counted (`tickets_lost`, said at close).
 The engine thread's launches go through `_drain.c`'s `launch`, which keeps the GIL (CuPy's
 `driver.launchKernel`, used where the module is not built, lets it go, and the engine's thread then waits for
 whichever thread took it); other threads' (the clock anchors, `flush`) go through CuPy's, since a launch can
@@ -68,7 +74,10 @@ MAX_GRID = 1024          # per part; the kernel loops grid-stride past it
 # Control block words (int64), mirrored from cuda_ring_kernels.cu.
 ST_STEP, ST_ACTIVE, ST_SNAP_REC, ST_SNAP_TIM, ST_SNAP_SEQ = 0, 1, 2, 3, 4
 ST_REC_HEAD, ST_TIM_HEAD, ST_COUNTS = 5, 6, 7
-STATE_WORDS = 8   # one 64-byte line
+ST_TAKEN, ST_TAKE_LOST = 8, 9  # kv_take_state's, in the second line
+STATE_WORDS = 16  # two 64-byte lines: the first every launch touches, the second kv_take_state's
+TICKETS = 256     # step tickets in pinned host memory (kv_take_state): replays the host may run ahead
+TICKET_WORDS = 4  # step, active, sequence number, unused
 SNAP_WORDS = 8    # state[0:8]: what a drain copies (the snapshot words)
 LIVE_WORDS = 8    # state[0:8] again, after the ring copy: the live heads
 NSNAP = 64        # pinned snapshot slots (drains in flight)
@@ -105,7 +114,11 @@ class _StateArgs(ctypes.Structure):
                 ("set", ctypes.c_int32)]
 
 
-assert ctypes.sizeof(_RecordArgs) == 112 and ctypes.sizeof(_StateArgs) == 24
+class _TakeArgs(ctypes.Structure):
+    _fields_ = [("state", ctypes.c_uint64), ("tickets", ctypes.c_uint64), ("mask", ctypes.c_int64)]
+
+
+assert ctypes.sizeof(_RecordArgs) == 112 and ctypes.sizeof(_StateArgs) == 24 and ctypes.sizeof(_TakeArgs) == 24
 # `_drain.state_launch` writes step, active and set at these offsets of the struct
 assert (_StateArgs.step.offset, _StateArgs.active.offset, _StateArgs.set.offset) == (8, 16, 20)
 
@@ -139,7 +152,7 @@ def _load_kernels(device_index: int) -> dict[str, int]:
         if device_index not in _MODULES:
             with cp.cuda.Device(device_index):  # CuPy loads per device: take the pointers inside
                 mod = cp.RawModule(code=KERNEL_SOURCE.read_text(), options=("-std=c++17", "-lineinfo"))
-                names = ("kv_record", "kv_time", "kv_set_state", "kv_read_timer", "kv_empty")
+                names = ("kv_record", "kv_time", "kv_set_state", "kv_take_state", "kv_read_timer", "kv_empty")
                 kernels = {n: mod.get_function(n) for n in names}
                 ptrs = {n: k.kernel.ptr for n, k in kernels.items()}  # compiles and loads now, never mid-capture
             _MODULES[device_index] = (mod, kernels, ptrs)  # kept: unloading would free the functions
@@ -179,6 +192,7 @@ class CudaKVAccessRing(KVAccessRing):
             fn = _load_kernels(self.index)
             self._f_record, self._f_time = fn["kv_record"], fn["kv_time"]
             self._f_state, self._f_timer = fn["kv_set_state"], fn["kv_read_timer"]
+            self._f_take = fn["kv_take_state"]
             # -1 everywhere: lap 0x7FFF, so a slot that was never written never passes for lap 0.
             self._ring = torch.full((self.capacity * 8,), -1, dtype=torch.int32, device=self.device)
             self._tring = torch.full((self.timing_capacity * 8,), -1, dtype=torch.int32, device=self.device)
@@ -191,6 +205,8 @@ class CudaKVAccessRing(KVAccessRing):
             self._stage = torch.empty(self.capacity * 8, dtype=torch.int32, **pin)
             self._tstage = torch.empty(self.timing_capacity * 8, dtype=torch.int32, **pin)
             self._timer_host = torch.zeros(1, dtype=torch.int64, **pin)
+            # Step tickets (`_publish`), then the count published: read by the GPU through the mapping
+            self._tickets = torch.zeros(TICKETS * TICKET_WORDS + 1, dtype=torch.int64, **pin)
             self._snap_stream = torch.cuda.Stream(self.device)
             self._copy_stream = torch.cuda.Stream(self.device)
             self._anchor_stream = torch.cuda.Stream(self.device, priority=-1)
@@ -241,6 +257,17 @@ class CudaKVAccessRing(KVAccessRing):
                              self._tstage.data_ptr(), self._live_host.data_ptr(), self._copy_stream.cuda_stream,
                              self._copy_event.cuda_event)
         self._state_args = _StateArgs(state=self._state.data_ptr())
+        # The step tickets: the host's next one, a NumPy view to write them, and kv_take_state's launch,
+        # captured once into each graph that holds this ring's kernels (`_capture_take`)
+        self._ticket = 0
+        self._tickets_np = self._tickets.numpy()
+        # pinned memory is mapped for the device (unified addressing: at the same address)
+        get_device_pointer = getattr(runtime, "hostGetDevicePointer", None)
+        tickets_dev = (get_device_pointer(self._tickets.data_ptr(), 0) if get_device_pointer is not None
+                       else self._tickets.data_ptr())
+        self._take_args = _TakeArgs(state=self._state.data_ptr(), tickets=tickets_dev, mask=TICKETS - 1)
+        self._take_launch = _Launch(self._take_args, 1)
+        self._take_capture = -1  # the capture (`_CAPTURES[1]`) whose graph has this ring's take node
         self._state_args_addr = ctypes.addressof(self._state_args)
         self._state_launch = _Launch(self._state_args, 1)
         self._timer_arg = ctypes.c_uint64(self._timer.data_ptr())
@@ -343,12 +370,15 @@ class CudaKVAccessRing(KVAccessRing):
         self.state_missed_steps += 1
         if self.defer_state:
             self.defer_state = False
-            set_status = getattr(self.recorder, "set_probe_status", None)
-            if set_status is not None:
-                set_status(self.probe, "degraded", f"KV access ring on {self.source}: step {self.step}'s "
-                           "forward pass ran no kernel through a path kvtrace sees (a CUDA graph replayed past "
-                           "its replay hook?): that step's KV records may carry the step before's id; the "
-                           "step id is now set at the start of each step")
+            self._say_degraded(f"KV access ring on {self.source}: step {self.step}'s forward pass ran no kernel "
+                               "through a path kvtrace sees (a CUDA graph replayed past its replay hook?): that "
+                               "step's KV records may carry the step before's id; the step id is now set at the "
+                               "start of each step")
+
+    def _say_degraded(self, why: str) -> None:
+        set_status = getattr(self.recorder, "set_probe_status", None)
+        if set_status is not None:
+            set_status(self.probe, "degraded", why)
 
     def _launch_state(self) -> None:
         """The kv_set_state launch: this step's id and sampling flag into device memory, head snapshot."""
@@ -361,6 +391,52 @@ class CudaKVAccessRing(KVAccessRing):
             a.step, a.active, a.set = self.step, int(self.active), 1
             self._launch_kernel(self._f_state, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
                                 self._state_launch.params_addr, 0)
+
+    def _capture_take(self) -> None:
+        """Put kv_take_state into the graph being captured, ahead of this ring's first kernel in it, and
+        name the ring on the graph, whose replay hook then publishes a ticket for it (`_publish`) instead
+        of launching the state: the step id comes from host memory, with no launch a step. Not where the
+        graph object takes no attribute, or the capture was not begun through torch.cuda.CUDAGraph: the
+        deferred launch before the replay sets the step then, as for any graph."""
+        graph = _CAPTURE_GRAPH[0]
+        if graph is None or not self._capturing():
+            return
+        self._take_capture = _CAPTURES[1]
+        takes = getattr(graph, TAKES, None)
+        if takes is None:
+            try:
+                setattr(graph, TAKES, [])
+            except AttributeError:
+                return
+            takes = getattr(graph, TAKES)
+        self._launch_kernel(self._f_take, 1, 1, 1, 32, 1, 1, 0, self._current_stream(),
+                            self._take_launch.params_addr, 0)
+        takes.append(self)
+
+    def _publish(self) -> None:
+        """The ticket of the next replay of a graph holding this ring's take node: this step's id and
+        sampling flag in pinned host memory, then the count published (x86 keeps the stores in order; the
+        replay's launch comes after them). Replaces the step's deferred state launch."""
+        if self._state_due:
+            self._forget_due()
+        h = self._ticket
+        self._ticket = h + 1
+        t, i = self._tickets_np, (h & (TICKETS - 1)) * TICKET_WORDS
+        t[i] = self.step
+        t[i + 1] = self.active
+        t[i + 2] = h
+        t[TICKETS * TICKET_WORDS] = h + 1
+
+    def _unpublish(self) -> None:
+        """Take back the last ticket (its replay raised, so no take node will read it)."""
+        if self._ticket:
+            self._ticket -= 1
+            self._tickets_np[TICKETS * TICKET_WORDS] = self._ticket
+
+    def tickets_lost(self) -> int:
+        """Graph replays whose take node found no ticket for it (replayed past the hook) or an overwritten
+        one: their records carry the step before's id. Reads the device (a sync): at close."""
+        return int(self._state[ST_TAKE_LOST].item()) if self._ticket or self._take_capture >= 0 else 0
 
     @property
     def native_launch(self) -> bool:
@@ -402,6 +478,8 @@ class CudaKVAccessRing(KVAccessRing):
     def record_layer(self, layer_idx: int, slot_mapping, block_table, seq_lens, query_start_loc=None) -> None:
         if self._state_due:  # begin_step's launch goes first, in stream order
             self._launch_due()
+        if _CAPTURES[0] and self._take_capture != _CAPTURES[1]:  # a graph's first kernel of this ring
+            self._capture_take()
         capturing = None
         if not self.active:
             capturing = self._capturing()
@@ -604,6 +682,16 @@ class CudaKVAccessRing(KVAccessRing):
             self._take_anchor()
         except Exception:
             pass
+        try:
+            lost = self.tickets_lost()
+        except Exception:  # at interpreter exit CUDA may already be gone
+            lost = 0
+        self.stats["step_tickets"] = self._ticket
+        self.stats["step_tickets_lost"] = lost
+        if lost:
+            self._say_degraded(f"KV access ring on {self.source}: {lost} CUDA graph replays ran without a step "
+                               "ticket (replayed past kvtrace's replay hook): their KV records may carry the "
+                               "step before's id")
         set_info = getattr(self.recorder, "set_info", None)
         if set_info is not None:  # proc.json: what the ring kept, lost and spent (benchmarks read it)
             set_info(f"kv_ring_{self.source}", {k: round(v, 6) if isinstance(v, float) else v
@@ -930,6 +1018,10 @@ _OVERLAP_RINGS: weakref.WeakSet = weakref.WeakSet()
 _STATE_DUE: list = []
 # CUDA graph captures through torch.cuda.CUDAGraph in this process: [open now, begun so far]
 _CAPTURES = [0, 0]
+# The torch.cuda.CUDAGraph whose capture is open (capture_begin's), and the attribute naming the rings whose
+# take node it holds (`_capture_take`; the replay hook publishes their tickets)
+_CAPTURE_GRAPH: list[Any] = [None]
+TAKES = "_kvtrace_takes"
 
 
 def _install_capture_hooks() -> bool:
@@ -951,10 +1043,12 @@ def _install_capture_hooks() -> bool:
             ring._fork_pending = False
         _CAPTURES[0] += 1  # before the capture starts: a begin_step racing it asks CUDA
         _CAPTURES[1] += 1  # a new capture is a new forward pass (record_layer's kv_time launches)
+        _CAPTURE_GRAPH[0] = self
         try:
             return orig_begin(self, *args, **kwargs)
         except BaseException:
             _CAPTURES[0] -= 1
+            _CAPTURE_GRAPH[0] = None
             raise
 
     def capture_end(self, *args, **kwargs):
@@ -964,6 +1058,7 @@ def _install_capture_hooks() -> bool:
             return orig_end(self, *args, **kwargs)
         finally:
             _CAPTURES[0] = max(0, _CAPTURES[0] - 1)
+            _CAPTURE_GRAPH[0] = None
 
     capture_begin._kvtrace_joins = capture_end._kvtrace_joins = True
     cls.capture_begin, cls.capture_end = capture_begin, capture_end
@@ -971,8 +1066,9 @@ def _install_capture_hooks() -> bool:
 
 
 def _install_replay_hook() -> bool:
-    """Wrap torch.cuda.CUDAGraph.replay (once): before a graph runs, every ring's deferred state launch
-    (`_STATE_DUE`), since the graph may hold the ring's kernels. Installed when a ring is made, which the
+    """Wrap torch.cuda.CUDAGraph.replay (once): before a graph runs, the tickets of the rings whose take node
+    it holds (`_publish`), then every other ring's deferred state launch (`_STATE_DUE`), since the graph may
+    hold the ring's kernels. Installed when a ring is made, which the
     attention probe does before vLLM captures: a capture that keeps the bound `graph.replay` (vLLM's
     breakable graphs do) keeps the wrapper. A launch that fails is not raised into vLLM: the ring raises it
     at its next begin_step. False where replay cannot be wrapped (begin_step then launches at once)."""
@@ -985,18 +1081,31 @@ def _install_replay_hook() -> bool:
     if getattr(orig, "_kvtrace_state", False):
         return True
 
+    def launch_due() -> None:
+        thread = threading.get_ident()
+        for ring in list(_STATE_DUE):
+            if ring._due_thread != thread:
+                continue  # another thread's graph: not on the stream of the ring's step
+            try:
+                ring._launch_due()
+            except Exception as exc:
+                ring._forget_due()
+                ring._deferred_error = exc
+
     def replay(self, *args, **kwargs):
+        takes = getattr(self, TAKES, None)
+        if takes is not None:  # its take nodes set the step from tickets: no launch for their rings
+            for ring in takes:
+                ring._publish()
         if _STATE_DUE:
-            thread = threading.get_ident()
-            for ring in list(_STATE_DUE):
-                if ring._due_thread != thread:
-                    continue  # another thread's graph: not on the stream of the ring's step
-                try:
-                    ring._launch_due()
-                except Exception as exc:
-                    ring._forget_due()
-                    ring._deferred_error = exc
-        return orig(self, *args, **kwargs)
+            launch_due()
+        try:
+            return orig(self, *args, **kwargs)
+        except BaseException:
+            if takes is not None:  # not replayed: its tickets would go to the next replay
+                for ring in takes:
+                    ring._unpublish()
+            raise
 
     replay._kvtrace_state = True
     replay.__wrapped__ = orig

@@ -22,7 +22,8 @@
 // blocks look requests up in a shared-memory copy of query_start_loc, one atomicAdd per block and round.
 //
 // Nothing that changes per step is a kernel argument: the step and the "record this step" flag live in
-// the control block `state`, set by kv_set_state before each step (outside any captured graph), so a
+// the control block `state`, set by kv_set_state before each step (outside any captured graph) or by
+// kv_take_state, captured at the head of a graph's kernels, from the host's ticket for that replay, so a
 // captured kv_record replays with the right step. Layer, tensor pointers and shapes are per-layer and
 // fixed at capture (vLLM's metadata tensors are persistent buffers).
 
@@ -41,6 +42,14 @@
 #define ST_REC_HEAD 5    // records reserved so far (monotonic)
 #define ST_TIM_HEAD 6    // timing records reserved so far
 #define ST_COUNTS 7      // reads | writes << 32 of the last counting launch (kv_time copies them)
+// Second line, touched once a graph replay by kv_take_state only:
+#define ST_TAKEN 8       // step tickets taken so far (monotonic): the next one to take
+#define ST_TAKE_LOST 9   // kv_take_state runs that found no ticket for them (a replay past the host's hook)
+                         // or one already overwritten: their records carry the step before's id
+
+// Step tickets (kv_take_state): pinned host memory the GPU reads through its mapping. TICKET_WORDS words
+// a ticket (step, active, sequence number, unused), `mask + 1` tickets, then the count published so far.
+#define TICKET_WORDS 4
 
 typedef unsigned long long u64;
 
@@ -65,6 +74,12 @@ struct RecordArgs {           // passed by value; mirrored by ctypes in cuda_rin
     int ring_log2;
     unsigned int tring_mask;
     int tring_log2;
+};
+
+struct TakeArgs {
+    long long* state;
+    const long long* tickets; // the device's address of the pinned tickets
+    long long mask;           // tickets - 1 (a power of two)
 };
 
 struct StateArgs {
@@ -313,6 +328,36 @@ extern "C" __global__ void kv_set_state(const StateArgs a) {
     if (a.set) {
         s[ST_STEP] = a.step;
         s[ST_ACTIVE] = a.active;
+    }
+    s[ST_SNAP_REC] = s[ST_REC_HEAD];
+    s[ST_SNAP_TIM] = s[ST_TIM_HEAD];
+    s[ST_SNAP_SEQ] = s[ST_SNAP_SEQ] + 1;
+}
+
+// kv_set_state's work inside a captured graph, its step id taken from the host's ticket for this replay.
+// The host publishes a ticket (its step id and sampling flag) just before each replay of a graph that holds
+// this node, so tickets and replays come in the same order; the device takes them in stream order, the
+// ticket of replay n being ticket n even when the host runs steps ahead of the GPU (async scheduling). A
+// replay with no ticket published for it keeps the step before's id and is counted (ST_TAKE_LOST).
+extern "C" __global__ void kv_take_state(const TakeArgs a) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    volatile long long* s = a.state;
+    const long long taken = s[ST_TAKEN];
+    long long published;
+    // acquire: the ticket's words are read after the count that says they are written
+    asm volatile("ld.acquire.sys.global.s64 %0, [%1];"
+                 : "=l"(published) : "l"(a.tickets + TICKET_WORDS * (a.mask + 1)) : "memory");
+    if (taken < published) {
+        const volatile long long* t = a.tickets + TICKET_WORDS * (taken & a.mask);
+        if (t[2] == taken) {  // else the host has written this slot again (it ran TICKETS replays ahead)
+            s[ST_STEP] = t[0];
+            s[ST_ACTIVE] = t[1];
+        } else {
+            s[ST_TAKE_LOST] = s[ST_TAKE_LOST] + 1;
+        }
+        s[ST_TAKEN] = taken + 1;
+    } else {
+        s[ST_TAKE_LOST] = s[ST_TAKE_LOST] + 1;
     }
     s[ST_SNAP_REC] = s[ST_REC_HEAD];
     s[ST_SNAP_TIM] = s[ST_TIM_HEAD];
