@@ -1461,7 +1461,8 @@ def main() -> None:
                 raise SystemExit(f"profile: {v} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             said = [line for line in proc.stderr.splitlines() if line.startswith("kvtrace:")]
             if args.ab_blocks:
-                print(ab_blocks_report(v, json.loads(result.read_text())), *said[-1:], sep="\n", flush=True)
+                print(ab_blocks_report(v, json.loads(result.read_text())), *ring_lines(session), *said[-1:],
+                      sep="\n", flush=True)
                 shutil.rmtree(session, ignore_errors=True)
                 continue
             if args.ab:
@@ -1479,6 +1480,24 @@ def main() -> None:
                 continue
             print(f"== {args.shape} {v}\n" + result.read_text().split("all functions by self time:")[0]
                   + "\n".join(said[-3:]), flush=True)
+
+
+def ring_lines(session: Path) -> list[str]:
+    """What each KV ring of a recorded session kept and how its graph replays got their step (proc.json's
+    kv_ring_* facts): a line a ring, for the reports (step tickets taken and lost, steps whose state
+    launch came too late, records dropped)."""
+    lines = []
+    for proc in sorted(session.glob("**/proc.json")):
+        try:
+            info = json.loads(proc.read_text())
+        except (OSError, ValueError):
+            continue
+        for key, st in sorted(info.items()):
+            if key.startswith("kv_ring_") and isinstance(st, dict):
+                lines.append(f"  {key}: " + ", ".join(
+                    f"{k} {st[k]}" for k in ("kv_rows", "kv_dropped", "drains", "step_tickets",
+                                             "step_tickets_lost", "state_missed_steps") if k in st))
+    return lines
 
 
 def tlb_shootdowns() -> int | None:

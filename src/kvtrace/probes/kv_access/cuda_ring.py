@@ -688,6 +688,7 @@ class CudaKVAccessRing(KVAccessRing):
             lost = 0
         self.stats["step_tickets"] = self._ticket
         self.stats["step_tickets_lost"] = lost
+        self.stats["state_missed_steps"] = self.state_missed_steps
         if lost:
             self._say_degraded(f"KV access ring on {self.source}: {lost} CUDA graph replays ran without a step "
                                "ticket (replayed past kvtrace's replay hook): their KV records may carry the "
