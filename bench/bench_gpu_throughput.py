@@ -386,10 +386,23 @@ def finish_run(shape: str, variant: str, rnd: int, out: Path, code: int, stdout:
     run["record_says"] = said[closing[-1]:] if closing else said[-2:]
     if session.exists():
         run["session_mb"] = sum(f.stat().st_size for f in session.rglob("*") if f.is_file()) / 1e6
-        run["procs"] = [json.loads(p.read_text()) for p in session.glob("procs/*/proc.json")
-                        if p.stat().st_size < 1 << 20]
+        run["procs"] = session_procs(session)
         shutil.rmtree(session, ignore_errors=True)
     return run
+
+
+def session_procs(session: Path) -> list[dict]:
+    """Each process's proc.json of a recorded session, in path order (those under 1 MiB: a real one is a
+    few KB)."""
+    return [json.loads(p.read_text()) for p in sorted(session.glob("procs/*/proc.json"))
+            if p.stat().st_size < 1 << 20]
+
+
+def ring_facts(procs: list[dict]) -> list[tuple[str, dict]]:
+    """(key, facts) of every KV ring the processes' proc.json name (their `kv_ring_<source>` entries:
+    rows kept and dropped, drains, step tickets)."""
+    return [(key, val) for p in procs for key, val in sorted(p.items())
+            if key.startswith("kv_ring_") and isinstance(val, dict)]
 
 
 def throughput(rep: dict) -> float:
@@ -457,8 +470,7 @@ def report(shape: str, runs: dict[str, list[dict]], args) -> list[str]:
             if run.get("record_says"):
                 procs = run.get("procs", [])
                 hot = ",".join(sorted({str(p.get("hot_path")) for p in procs}))
-                rings = [val for p in procs for key, val in p.items() if key.startswith("kv_ring_")
-                         and isinstance(val, dict)]
+                rings = [val for _, val in ring_facts(procs)]
                 kv = sum(r.get("kv_rows", 0) for r in rings)
                 lost = sum(r.get("kv_dropped", 0) for r in rings)
                 drains = sum(r.get("drains", 0) for r in rings)

@@ -1486,18 +1486,13 @@ def ring_lines(session: Path) -> list[str]:
     """What each KV ring of a recorded session kept and how its graph replays got their step (proc.json's
     kv_ring_* facts): a line a ring, for the reports (step tickets taken and lost, steps whose state
     launch came too late, records dropped)."""
-    lines = []
-    for proc in sorted(session.glob("**/proc.json")):
-        try:
-            info = json.loads(proc.read_text())
-        except (OSError, ValueError):
-            continue
-        for key, st in sorted(info.items()):
-            if key.startswith("kv_ring_") and isinstance(st, dict):
-                lines.append(f"  {key}: " + ", ".join(
-                    f"{k} {st[k]}" for k in ("kv_rows", "kv_dropped", "drains", "step_tickets",
-                                             "step_tickets_lost", "state_missed_steps") if k in st))
-    return lines
+    try:
+        rings = bgt.ring_facts(bgt.session_procs(session))
+    except (OSError, ValueError) as exc:  # the A/B's own report still prints
+        return [f"  KV rings: the session's proc.json unreadable ({exc})"]
+    return [f"  {key}: " + ", ".join(f"{k} {st[k]}" for k in ("kv_rows", "kv_dropped", "drains", "step_tickets",
+                                                            "step_tickets_lost", "state_missed_steps") if k in st)
+            for key, st in rings]
 
 
 def tlb_shootdowns() -> int | None:

@@ -663,3 +663,21 @@ def test_thread_work_times_the_work_under_the_hold(profile):
     assert [len(work.spans[k]) for k in ("drain", "emit", "flush")] == [1, 1, 1]
     (a, b), = work.spans["drain"]
     assert b - a >= 2_000_000
+
+
+def test_ring_lines_read_each_ring_from_a_real_session(profile, tmp_path):
+    """The A/B report's ring lines come from the proc.json a real Recorder writes (the ring's facts as
+    CudaKVAccessRing.close sets them); an unreadable proc.json is said, not skipped."""
+    from kvtrace.record.recorder import Recorder
+
+    rec = Recorder(tmp_path, role="worker")
+    rec.set_info("kv_ring_cuda:0", {"kv_rows": 12, "kv_dropped": 1, "drains": 3, "step_tickets": 40,
+                                    "step_tickets_lost": 2, "state_missed_steps": 0, "drain_s": 0.5})
+    rec.close()
+    assert profile.ring_lines(tmp_path) == [
+        "  kv_ring_cuda:0: kv_rows 12, kv_dropped 1, drains 3, step_tickets 40, step_tickets_lost 2, "
+        "state_missed_steps 0"]
+    (proc,) = tmp_path.glob("procs/*/proc.json")
+    proc.write_text("{not json")
+    (line,) = profile.ring_lines(tmp_path)
+    assert line.startswith("  KV rings: the session's proc.json unreadable (")
