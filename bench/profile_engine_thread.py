@@ -408,7 +408,7 @@ class ThreadHold:
         now = time.perf_counter()
         return now - self.held_s - (now - self._held_at if self._held_at is not None else 0.0)
 
-    def _shadow(self, obj: object, name: str, gate: "_Gate | None") -> None:
+    def _shadow(self, obj: object, name: str, gate: _Gate | None) -> None:
         orig = getattr(obj, name)
 
         def held(*args, **kwargs):
