@@ -25,8 +25,7 @@ prefixes, preemptions) and steps them in turns of `--run` steps, in an order shu
 Timing. Putting patches on or off changes the classes' versions, so the first `--warm` step(s) of a turn
 re-specialise vLLM's code and are not timed, for any scheduler. The classes are written before every
 turn of every scheduler, changed or not, so that vLLM's code re-specialises as often for each (see
-`Patches`; before 2026-11-25, nineteenth session, they were written only when they changed, which cost
-`on` an extra +0.2-0.4%). Every other step (with the requests added
+`Patches`; written only when they changed, they cost `on` an extra +0.2-0.4%). Every other step (with the requests added
 after it, as a client would) is timed on the scheduler thread's CPU clock. The recorder's writer thread
 is timed on its own CPU clock, with each round's final flush; it writes the rows of all of `on`'s steps,
 so `on` is charged its share for the steps timed. The schedulers share the wall clock (`on` steps for a
