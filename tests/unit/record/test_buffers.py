@@ -525,6 +525,110 @@ def test_decode_log_runs_expand_to_exactly_the_rows_added(kind, seed):
     assert runs < len(added) / 2  # runs, not a row each (this workload cuts them often)
 
 
+class DecodeRunsModel:
+    """The native DecodeLog's runs by its rule: a request's row goes on with the run of its row in the last
+    call (the same str object: the log matches ids by identity) when this call's step follows that one,
+    with the same tokens, computed grown by them and no new block; any other row opens a run. take() hands
+    every run over and forgets the last call."""
+
+    def __init__(self):
+        self.runs: list[list] = []  # [request id, first step, steps, tokens, computed before, new blocks]
+        self.last: dict[int, tuple] = {}  # id(request id object) -> (run, computed, tokens)
+        self.last_step = None
+
+    def add(self, step, ids, comps, news, sched):
+        cur = {}
+        for i, rid in enumerate(ids):
+            tokens = sched[rid] if sched else 1
+            blocks = len(news[i][0]) if news[i] else 0
+            last = self.last.get(id(rid))
+            if (last is not None and self.last_step == step - 1 and blocks == 0 and tokens == last[2]
+                    and comps[i] == last[1] + last[2]):
+                run = last[0]
+                self.runs[run][2] += 1
+            else:
+                run = len(self.runs)
+                self.runs.append([rid, step, 1, tokens, comps[i], blocks])  # (holds the id object, as the log)
+            cur[id(rid)] = (run, comps[i], tokens)
+        self.last, self.last_step = cur, step
+
+    def take(self) -> list[tuple]:
+        runs, self.runs, self.last = self.runs, [], {}
+        return sorted(map(tuple, runs))
+
+
+@native_only
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_log_steady_steps_cut_the_runs_of_its_rule(seed):
+    """A busy engine's steps: mostly the same requests in the same order a token each (the native log's
+    in-place path), now and then a new block, a computed count that jumps, a speculative step, a step
+    skipped, a request leaving or joining, an equal id in another str object, a take. The native log cuts
+    exactly the runs of its rule (DecodeRunsModel), and they expand to the rows added."""
+    import random
+
+    rng = random.Random(seed)
+    log, model = buffers.NativeDecodeLog(), DecodeRunsModel()
+    running = [f"req-{i}" for i in range(64)]
+    computed = {r: 500 + 7 * i for i, r in enumerate(running)}
+    added, got, want = [], [], []
+    step, next_id = 0, 64
+
+    def take():
+        cols = log.take()
+        runs = table(cols, "decode_runs").to_pylist() if cols is not None else []
+        got.extend(sorted((r["request_id"], r["step"], r["steps"], r["tokens"], r["computed_before"], r["new_blocks"])
+                          for r in runs))
+        want.extend(model.take())
+
+    for _ in range(400):
+        step += 2 if rng.random() < 0.01 else 1
+        if rng.random() < 0.03:
+            running.pop(rng.randrange(len(running)))
+        if rng.random() < 0.03:
+            running.append(f"req-{next_id}")
+            computed[running[-1]] = rng.randrange(1000)
+            next_id += 1
+        for r in running:
+            if rng.random() < 0.005:
+                computed[r] += 5  # a jump (a chunk this log did not see): a new run
+        ids = [(r + "#")[:-1] for r in running] if rng.random() < 0.01 else list(running)
+        news = [([3],) if rng.random() < 0.04 else None for _ in ids]
+        sched = {r: 2 for r in ids} if rng.random() < 0.02 else None
+        comps = [computed[r] for r in ids]
+        for i, rid in enumerate(ids):
+            added.append((step, rid, sched[rid] if sched else 1, comps[i], len(news[i][0]) if news[i] else 0))
+        log.add(step, ids, list(comps), news, None, sched)
+        model.add(step, ids, comps, news, sched)
+        for r in ids:
+            computed[r] += sched[r] if sched else 1
+        if rng.random() < 0.02:
+            take()
+    take()
+    assert got == want and len(got) < len(added) / 5
+    rows = sorted((first + j, rid, tokens, before + j * tokens, blocks if j == 0 else 0)
+                  for rid, first, steps, tokens, before, blocks in got for j in range(steps))
+    assert rows == sorted(added) and len(added) > 20000
+
+
+@native_only
+def test_decode_log_steady_step_errors_change_nothing():
+    """A step with the same requests in the same order whose values the in-place path cannot take: the
+    general path raises as for any step, and the log is as before."""
+    log = buffers.NativeDecodeLog()
+    log.add(1, ["a", "b"], [1, 2], [None, None], None, None)
+    with pytest.raises(TypeError):
+        log.add(2, ["a", "b"], [2, "x"], [None] * 2, None, None)
+    with pytest.raises(OverflowError):
+        log.add(2, ["a", "b"], [2, 1 << 40], [None] * 2, None, None)
+    with pytest.raises(OverflowError):
+        log.add(2, ["a", "b"], [2, -1], [None] * 2, None, None)
+    with pytest.raises(TypeError):
+        log.add(2, ["a", "b"], [2, 3], [None, 7], None, None)  # new block ids that are no sequence
+    assert log.rows == 2
+    log.add(2, ["a", "b"], [2, 3], [None, ([5, 6],)], None, None)
+    assert expanded(log.take()) == [(1, "a", 1, 1, 0), (1, "b", 1, 2, 0), (2, "a", 1, 2, 0), (2, "b", 1, 3, 2)]
+
+
 @pytest.mark.parametrize("kind", ["python", "native"])
 def test_decode_log_errors_change_nothing(kind):
     if kind == "native" and buffers._columns is None:
