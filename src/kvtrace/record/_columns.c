@@ -1484,6 +1484,25 @@ static inline void end_run(DecodeLog *self, DecodeLast *p) {
     r->steps = (int32_t)(self->prev_step - r->first_step + 1);
 }
 
+/* Whether a row of the step after `last`'s goes on with its run: the same tokens, computed grown by
+   them, no new block. */
+static inline int run_goes_on(const DecodeLast *last, int32_t computed, int32_t tokens, int32_t blocks) {
+    return blocks == 0 && tokens == last->tokens && (int64_t)computed == (int64_t)last->computed + last->tokens;
+}
+
+/* A new run of request `rid` from `step` (room reserved by decode_reserve); its index. */
+static inline int32_t open_run(DecodeLog *self, PyObject *rid, int64_t step, int32_t computed, int32_t tokens,
+                               int32_t blocks) {
+    DecodeRun *r = &self->runs[self->nruns];
+    r->rid = Py_NewRef(rid);
+    r->first_step = step;
+    r->steps = 0;
+    r->first_computed = computed;
+    r->tokens = tokens;
+    r->first_blocks = blocks;
+    return (int32_t)self->nruns++;
+}
+
 static void decode_clear(DecodeLog *self) {
     for (Py_ssize_t i = 0; i < self->nruns; i++)
         Py_CLEAR(self->runs[i].rid);
@@ -1527,16 +1546,9 @@ static int decode_steady(DecodeLog *self, PyObject *ids, PyObject *comps, PyObje
         int32_t computed = (int32_t)as_int64(cv[i]);
         PyObject *g = gv[i];
         int32_t blocks = g == Py_None ? 0 : (int32_t)PyList_GET_SIZE(PyTuple_GET_ITEM(g, 0));
-        if (!(blocks == 0 && last->tokens == 1 && (int64_t)computed == (int64_t)last->computed + 1)) {
+        if (!run_goes_on(last, computed, 1, blocks)) {
             end_run(self, last);
-            DecodeRun *r = &self->runs[self->nruns];
-            r->rid = Py_NewRef(last->rid);
-            r->first_step = self->prev_step + 1;
-            r->steps = 0;
-            r->first_computed = computed;
-            r->tokens = 1;
-            r->first_blocks = blocks;
-            last->run = (int32_t)self->nruns++;
+            last->run = open_run(self, last->rid, self->prev_step + 1, computed, 1, blocks);
             last->tokens = 1;
         }
         last->computed = computed;
@@ -1664,20 +1676,12 @@ static PyObject *DecodeLog_add(DecodeLog *self, PyObject *const *args, Py_ssize_
             last->rid = NULL; /* taken: not found again, and its run does not end below */
             p = k + 1;
         }
-        if (last != NULL && consecutive && blocks == 0 && c->tokens == last->tokens
-            && (int64_t)c->computed == (int64_t)last->computed + last->tokens) {
+        if (last != NULL && consecutive && run_goes_on(last, c->computed, c->tokens, blocks)) {
             c->run = last->run; /* the run goes on */
         } else {
             if (last != NULL)
                 end_run(self, last);
-            DecodeRun *r = &self->runs[self->nruns];
-            r->rid = Py_NewRef(c->rid);
-            r->first_step = step;
-            r->steps = 0;
-            r->first_computed = c->computed;
-            r->tokens = c->tokens;
-            r->first_blocks = blocks;
-            c->run = (int32_t)self->nruns++;
+            c->run = open_run(self, c->rid, step, c->computed, c->tokens, blocks);
         }
     }
     self->rows += ncur;
