@@ -5,6 +5,7 @@
     python bench/bench_host_steps.py --probes kv_blocks   # one probe's part
     python bench/bench_host_steps.py --null-patches  # control: the method's own bias (~0)
     python bench/bench_host_steps.py --disabled      # the probes' wrappers alone, switched off
+    python bench/bench_host_steps.py --thrash-mb 64  # each step with the caches cold, as in an engine
 
 Why a second benchmark. bench_host_probes.py compares whole rounds (one workload on a fresh scheduler,
 0.4-1.5 s each) with the probes off and on. On a quiet machine its rounds agree to +-1%; on a slow,
@@ -40,7 +41,10 @@ verdict follows its rule: MET when the whole interval is at or under the target.
 
 What the method changes: after another scheduler's turn, a step starts with that scheduler's data in the
 caches where an engine would find its own last step's (it runs the forward pass or waits on the workers
-in between); the untimed first step of each turn brings the scheduler's own data back.
+in between); the untimed first step of each turn brings the scheduler's own data back. `--thrash-mb`
+writes a buffer larger than the last-level cache before every step (untimed, every scheduler alike), so
+each step finds its own data and the probes' cold, as an engine's scheduler does after a forward pass:
+the probes' cost is then nearer the GPU engine thread's (their code and rows are cache misses too).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 # bench_host_probes, beside this file: the same workload (it puts the repository on the path, and its
 # names from tests/helpers/driven_scheduler.py are the ones used here).
@@ -131,6 +137,10 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
         patches.set(mode == "on")
         feeders[mode] = Workload(DrivenScheduler(model, cfg), prompts, args.concurrency, args.max_tokens)
     spin_ns = int(args.calibrate * 1000)  # --calibrate: CPU burnt in each of `on`'s timed steps
+    # --thrash-mb: every cache line of a buffer larger than the last-level cache written before each step
+    # (untimed, every scheduler alike): the step then finds the caches as an engine's scheduler does after
+    # the forward pass, its own data and the probes' cold
+    thrash = np.zeros(max(args.thrash_mb, 0) << 20, np.uint8)
     writer = thread_clock(getattr(rec, "_thread", None))
     blocks: list[dict[str, int]] = []
     cur = dict.fromkeys((*MODES, "writer"), 0)  # ns of CPU; "writer": the recorder's part of "on"
@@ -147,6 +157,8 @@ def run_round(args, model: str, cfg: DrivenConfig, prompts: list, rec, names: tu
             for j in range(args.run):
                 if not f.d.has_work():
                     break
+                if thrash.size:
+                    thrash[::64] += 1
                 if j < args.warm:
                     f.step()
                     continue
@@ -218,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", type=float, default=0.0, metavar="US",
                     help="also burn US microseconds of CPU in each of `on`'s steps: a cost of known size, to check "
                          "that the method reads it (with --probes '' it is all there is)")
+    ap.add_argument("--thrash-mb", type=int, default=0, metavar="MB",
+                    help="write every cache line of a buffer this large before each step, untimed, for every scheduler "
+                         "(64: more than the CPU machine's 32 MB of L3): the steps then run with the caches cold, as "
+                         "a scheduler's do between an engine's forward passes; the extra is also printed in us a step")
     ap.add_argument("--null-patches", action="store_true",
                     help="control: `on` installs the probes but steps with vLLM's own methods put back in their place "
                          "(classes written as at every turn, no probe code runs; reads the method's own bias, ~0)")
@@ -313,6 +329,10 @@ def measure(args: argparse.Namespace, stretch: int) -> int:
     print(f"\nCPU overhead of the probes per step: {est:+.2f}%, 95% interval {lo:+.2f}% to {hi:+.2f}% "
           f"({len(blocks)} blocks of {args.block} turns of {args.run} steps, {args.warm} of each turn not timed; off {off_s:.1f} CPU-s in all)")
     print(f"A/A, off2 against off on the same steps: {aa:+.2f}%, 95% interval {aa_lo:+.2f}% to {aa_hi:+.2f}%")
+    off_us = off_s * 1e6 / steps
+    print(f"per timed step: off {off_us:.1f} us of CPU, on {off_us * (1 + est / 100):.1f}: {off_us * est / 100:+.1f} us "
+          f"[{off_us * lo / 100:+.1f}, {off_us * hi / 100:+.1f}]" + (f" (caches cold: {args.thrash_mb} MB written before "
+                                                                      "each step)" if args.thrash_mb else ""))
     if args.calibrate:
         expected_pct = args.calibrate * 1e3 * steps / (off_s * 1e9) * 100
         print(f"calibration: `on` burnt {args.calibrate:g} us of CPU a step, {expected_pct:+.2f}% of `off`'s CPU: "

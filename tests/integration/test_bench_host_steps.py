@@ -67,8 +67,10 @@ def test_only_the_probed_scheduler_is_recorded(capsys):
     bench = load_bench()
     # A small pool for 8 requests in flight, so that some are preempted; 1 measured round + a warm-up.
     bench.main(["--rounds", "1", "--requests", "24", "--concurrency", "8", "--prefix-tokens", "64",
-                "--suffix-tokens", "16", "--max-tokens", "24", "--num-blocks", "24", "--block", "2"])
+                "--suffix-tokens", "16", "--max-tokens", "24", "--num-blocks", "24", "--block", "2",
+                "--thrash-mb", "1"])
     out = capsys.readouterr().out
+    assert "(caches cold: 1 MB written before each step)" in out, out
     checks = {line.split()[0]: line.split() for line in out.splitlines()
               if line.strip().split(" ")[0] in ("steps", "step_requests", "preemptions", "prefix_lookups")}
     assert set(checks) == {"steps", "step_requests", "preemptions", "prefix_lookups"}
