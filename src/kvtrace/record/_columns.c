@@ -2191,25 +2191,22 @@ static PyObject *py_positions(PyObject *mod, PyObject *const *args, Py_ssize_t n
    usual step of a busy engine: every scheduled request decodes (none new, resumed or in a chunked
    prefill). Under an engine, vLLM's own work between two steps evicts the probe's bytecode and data from
    the core's caches, and the Python methods (~300 bytecodes a decode step) then cost several times what
-   they do warm. `decode(sched, out, t0)` makes such a step's decode rows and its pending step row;
-   `end(sched, step)` completes the row and hands it over when the step ends. Each returns False, having
+   they do warm. `decode(sched, out, t0, ...)` makes such a step's decode rows and its pending step row;
+   `end(sched, step, ...)` completes the row and hands it over when the step ends. The attributes both
+   need are read by the probe's wrapper, in Python, and passed in (see decode). Each returns False, having
    changed nothing, for a step it does not handle, and the probe's Python method runs instead: a step
    with a prefill, prefills still chunked, first tokens due, or before the probe has recorded the engine's
    configuration (its first step: then `ready`). Why admission stopped comes from the probe's
    `_admission_stop`, unless nothing waits, nothing was preempted and admission saw nothing: "none". */
 
-static PyObject *s_current_step, *s_scheduled_new_reqs, *s_scheduled_cached_reqs, *s_req_ids, *s_resumed_req_ids,
-    *s_num_computed_tokens, *s_new_block_ids, *s_num_scheduled_tokens, *s_total_num_scheduled_tokens,
-    *s_kv_cache_manager, *s_block_pool, *s_num_gpu_blocks, *s_waiting, *s_kv_holding_waiting, *s_skipped_waiting,
-    *s_max_num_scheduled_tokens, *s_running, *s_max_num_running_reqs, *s_preempted_this_step, *s_seen,
-    *s_kvtrace_step, *s_admission_stop, *s_take, *s_finished_in_update, *s_has_requests, *s_went_idle, *s_append,
-    *s_none, *s_config_recorded, *s_inject;
+static PyObject *s_kv_holding_waiting, *s_skipped_waiting, *s_kvtrace_step, *s_admission_stop, *s_take,
+    *s_has_requests, *s_went_idle, *s_append, *s_none, *s_config_recorded, *s_inject;
 
 #define STEP_ROW_LEN 22 /* kvtrace.format.schema's `steps` columns */
 
 typedef struct {
     PyObject_HEAD
-    PyObject *probe, *decode_log, *pending, *chunks, *first_due, *steps, *ctx, *free_blocks, *queue_lengths;
+    PyObject *probe, *decode_log, *pending, *chunks, *first_due, *steps, *ctx, *queue_lengths;
     char ready;
 } StepRows;
 
@@ -2237,22 +2234,22 @@ static Py_ssize_t queue_len(StepRows *self, PyObject *queue) {
 
 static int StepRows_init(StepRows *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"probe", "decode_log", "pending", "chunks", "first_due", "steps", "ctx",
-                            "free_blocks", "queue_lengths", NULL};
-    PyObject *v[9];
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOO", names, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
-                                     &v[6], &v[7], &v[8]))
+                            "queue_lengths", NULL};
+    PyObject *v[8];
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO", names, &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
+                                     &v[6], &v[7]))
         return -1;
     if (!PyObject_TypeCheck(v[1], &DecodeLogType)) {
         PyErr_SetString(PyExc_TypeError, "StepRows: decode_log must be a native DecodeLog");
         return -1;
     }
-    if (!PyDict_Check(v[2]) || !PyDict_Check(v[3]) || !PyDict_Check(v[4]) || !PyDict_Check(v[8])) {
+    if (!PyDict_Check(v[2]) || !PyDict_Check(v[3]) || !PyDict_Check(v[4]) || !PyDict_Check(v[7])) {
         PyErr_SetString(PyExc_TypeError, "StepRows: pending, chunks, first_due and queue_lengths must be dicts");
         return -1;
     }
-    PyObject **slots[9] = {&self->probe, &self->decode_log, &self->pending, &self->chunks, &self->first_due,
-                           &self->steps, &self->ctx, &self->free_blocks, &self->queue_lengths};
-    for (int i = 0; i < 9; i++)
+    PyObject **slots[8] = {&self->probe, &self->decode_log, &self->pending, &self->chunks, &self->first_due,
+                           &self->steps, &self->ctx, &self->queue_lengths};
+    for (int i = 0; i < 8; i++)
         Py_XSETREF(*slots[i], Py_NewRef(v[i]));
     self->ready = 0;
     return 0;
@@ -2271,16 +2268,34 @@ static int steps_ready(StepRows *self) {
     return r;
 }
 
+/* decode(sched, out, t0, news, ids, resumed, comps, new_ids, num_sched, total, step, free, gpu_blocks,
+          waiting, holding, budget, running, max_running, preempted, seen): the values read by the scheduler
+   probe's wrapper, in Python, where each is a specialised attribute read of an object vLLM has just used
+   (~0.05 us with the caches cold), where PyObject_GetAttr from here looks the name up in the type's method
+   cache and the instance's keys, lines vLLM's own code never touches (~0.4 us each cold; 18 reads measured
+   9.5 against 3.3 us a step, the CPU machine): news = out.scheduled_new_reqs; ids, resumed, comps, new_ids =
+   out.scheduled_cached_reqs' req_ids, resumed_req_ids (None where vLLM has none), num_computed_tokens,
+   new_block_ids; num_sched, total = out.num_scheduled_tokens, out.total_num_scheduled_tokens; step =
+   sched.current_step; free, gpu_blocks = the free blocks and num_gpu_blocks of the block pool
+   (sched.kv_cache_manager.block_pool); waiting, holding = sched.waiting and its holding queue (kv_holding_waiting, or 0.26-0.27's
+   skipped_waiting; None: looked up here); budget, running, max_running = sched.max_num_scheduled_tokens,
+   .running, .max_num_running_reqs; preempted, seen = the probe's preempted_this_step and seen. */
+#define DECODE_NARGS 20
 static PyObject *StepRows_decode(StepRows *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "decode(sched, out, t0)");
+    if (nargs != DECODE_NARGS) {
+        PyErr_SetString(PyExc_TypeError, "decode(sched, out, t0, news, ids, resumed, comps, new_ids, num_sched, total, "
+                                         "step, free, gpu_blocks, waiting, holding, budget, running, max_running, "
+                                         "preempted, seen)");
         return NULL;
     }
     if (self->probe == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "StepRows cleared");
         return NULL;
     }
-    PyObject *sched = args[0], *out = args[1], *t0 = args[2];
+    PyObject *sched = args[0], *out = args[1], *t0 = args[2], *news = args[3], *ids = args[4], *resumed = args[5],
+             *comps = args[6], *new_ids = args[7], *num_sched = args[8], *total = args[9], *step = args[10],
+             *free = args[11], *gpu_blocks = args[12], *waiting = args[13], *budget = args[15],
+             *running = args[16], *max_running = args[17], *preempted = args[18], *seen = args[19];
     if (!self->ready) {
         int r = steps_ready(self);
         if (r <= 0)
@@ -2289,51 +2304,32 @@ static PyObject *StepRows_decode(StepRows *self, PyObject *const *args, Py_ssize
     if (PyDict_GET_SIZE(self->chunks) != 0)
         Py_RETURN_FALSE;
     int64_t t1 = now_ns();
-    PyObject *result = NULL, *news = NULL, *cached = NULL, *ids = NULL, *resumed = NULL, *comps = NULL,
-             *new_ids = NULL, *num_sched = NULL, *total = NULL, *step = NULL, *kvm = NULL, *pool = NULL,
-             *gpu_blocks = NULL, *free = NULL, *waiting = NULL, *holding = NULL, *budget = NULL, *running = NULL,
-             *max_running = NULL, *preempted = NULL, *seen = NULL, *num_waiting = NULL, *admission = NULL,
-             *row = NULL, *due = NULL;
+    PyObject *result = NULL, *holding = NULL, *num_waiting = NULL, *admission = NULL, *row = NULL, *due = NULL;
     Py_ssize_t n;
     /* a step this handles: nothing new, nothing resumed (every cached request decodes) */
-    if ((news = PyObject_GetAttr(out, s_scheduled_new_reqs)) == NULL || (n = PyObject_Length(news)) < 0)
-        goto done;
-    if (n != 0) {
-        result = Py_NewRef(Py_False);
-        goto done;
-    }
-    if ((cached = PyObject_GetAttr(out, s_scheduled_cached_reqs)) == NULL
-        || (ids = PyObject_GetAttr(cached, s_req_ids)) == NULL || optional_attr(cached, s_resumed_req_ids, &resumed) < 0)
-        goto done;
-    if (resumed != NULL && resumed != Py_None) {
+    if ((n = PyObject_Length(news)) < 0)
+        return NULL;
+    if (n != 0)
+        Py_RETURN_FALSE;
+    if (resumed != Py_None) {
         int r = PyObject_IsTrue(resumed);
-        if (r < 0)
-            goto done;
-        if (r) {
-            result = Py_NewRef(Py_False);
-            goto done;
-        }
+        if (r != 0)
+            return r < 0 ? NULL : Py_NewRef(Py_False);
     }
     Py_ssize_t decoding = PyObject_Length(ids), nsched;
     long long total_v;
-    if (decoding < 0 || (num_sched = PyObject_GetAttr(out, s_num_scheduled_tokens)) == NULL
-        || (nsched = PyObject_Length(num_sched)) < 0
-        || (total = PyObject_GetAttr(out, s_total_num_scheduled_tokens)) == NULL
-        || ((total_v = PyLong_AsLongLong(total)) == -1 && PyErr_Occurred())
-        || (step = PyObject_GetAttr(sched, s_current_step)) == NULL)
-        goto done;
+    if (decoding < 0 || (nsched = PyObject_Length(num_sched)) < 0
+        || ((total_v = PyLong_AsLongLong(total)) == -1 && PyErr_Occurred()))
+        return NULL;
     /* the step id for the probes (ctx.step) and for the worker (travels with the output, pickled) */
     if (PyObject_SetAttr(self->ctx, s_step, step) < 0)
-        goto done;
+        return NULL;
     if (PyObject_SetAttr(out, s_kvtrace_step, step) < 0) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
-            goto done;
+            return NULL;
         PyErr_Clear();
     }
     if (decoding > 0) {
-        if ((comps = PyObject_GetAttr(cached, s_num_computed_tokens)) == NULL
-            || (new_ids = PyObject_GetAttr(cached, s_new_block_ids)) == NULL)
-            goto done;
         /* every row 1 token (the usual case) when the rows' total says so */
         PyObject *add_args[6] = {step, ids, comps, new_ids, Py_None, total_v == decoding ? Py_None : num_sched};
         if ((due = DecodeLog_add((DecodeLog *)self->decode_log, add_args, 6)) == NULL)
@@ -2346,30 +2342,24 @@ static PyObject *StepRows_decode(StepRows *self, PyObject *const *args, Py_ssize
         }
     }
     long long blocks_total, free_v;
-    if ((kvm = PyObject_GetAttr(sched, s_kv_cache_manager)) == NULL
-        || (pool = PyObject_GetAttr(kvm, s_block_pool)) == NULL
-        || (gpu_blocks = PyObject_GetAttr(pool, s_num_gpu_blocks)) == NULL
-        || ((blocks_total = PyLong_AsLongLong(gpu_blocks) - 1) == -2 && PyErr_Occurred())
-        || (free = PyObject_CallOneArg(self->free_blocks, pool)) == NULL
+    if (((blocks_total = PyLong_AsLongLong(gpu_blocks) - 1) == -2 && PyErr_Occurred())
         || ((free_v = PyLong_AsLongLong(free)) == -1 && PyErr_Occurred()))
         goto done;
     /* waiting: vLLM's queue, and those holding KV blocks (0.32+) or passed over (0.26-0.27's own queue) */
-    if ((waiting = PyObject_GetAttr(sched, s_waiting)) == NULL
-        || optional_attr(sched, s_kv_holding_waiting, &holding) < 0)
-        goto done;
-    if (holding == Py_None)
-        Py_CLEAR(holding);
-    if (holding == NULL && optional_attr(sched, s_skipped_waiting, &holding) < 0)
-        goto done;
+    holding = args[14] == Py_None ? NULL : Py_NewRef(args[14]);
+    if (holding == NULL) {
+        if (optional_attr(sched, s_kv_holding_waiting, &holding) < 0)
+            goto done;
+        if (holding == Py_None)
+            Py_CLEAR(holding);
+        if (holding == NULL && optional_attr(sched, s_skipped_waiting, &holding) < 0)
+            goto done;
+    }
     Py_ssize_t nw = queue_len(self, waiting), nh = holding == NULL ? 0 : queue_len(self, holding), nrunning;
     long long preempted_v;
     if (nw < 0 || nh < 0 || (num_waiting = PyLong_FromSsize_t(nw + nh)) == NULL
-        || (budget = PyObject_GetAttr(sched, s_max_num_scheduled_tokens)) == NULL
-        || (running = PyObject_GetAttr(sched, s_running)) == NULL || (nrunning = PyObject_Length(running)) < 0
-        || (max_running = PyObject_GetAttr(sched, s_max_num_running_reqs)) == NULL
-        || (preempted = PyObject_GetAttr(self->probe, s_preempted_this_step)) == NULL
-        || ((preempted_v = PyLong_AsLongLong(preempted)) == -1 && PyErr_Occurred())
-        || (seen = PyObject_GetAttr(self->probe, s_seen)) == NULL)
+        || (nrunning = PyObject_Length(running)) < 0
+        || ((preempted_v = PyLong_AsLongLong(preempted)) == -1 && PyErr_Occurred()))
         goto done;
     if (nw + nh == 0 && preempted_v == 0 && seen == Py_None)
         admission = Py_NewRef(s_none);
@@ -2394,28 +2384,26 @@ static PyObject *StepRows_decode(StepRows *self, PyObject *const *args, Py_ssize
         goto done;
     result = Py_NewRef(Py_True);
 done:
-    Py_XDECREF(news); Py_XDECREF(cached); Py_XDECREF(ids); Py_XDECREF(resumed); Py_XDECREF(comps);
-    Py_XDECREF(new_ids); Py_XDECREF(num_sched); Py_XDECREF(total); Py_XDECREF(step); Py_XDECREF(kvm);
-    Py_XDECREF(pool); Py_XDECREF(gpu_blocks); Py_XDECREF(free); Py_XDECREF(waiting); Py_XDECREF(holding);
-    Py_XDECREF(budget); Py_XDECREF(running); Py_XDECREF(max_running); Py_XDECREF(preempted); Py_XDECREF(seen);
-    Py_XDECREF(num_waiting); Py_XDECREF(admission); Py_XDECREF(row); Py_XDECREF(due);
+    Py_XDECREF(holding); Py_XDECREF(num_waiting); Py_XDECREF(admission); Py_XDECREF(row); Py_XDECREF(due);
     return result;
 }
 
+/* end(sched, step, finished, running): finished = the probe's finished_in_update, running = sched.running
+   (read by the wrapper, as decode's values are). */
 static PyObject *StepRows_end(StepRows *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "end(sched, step)");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "end(sched, step, finished, running)");
         return NULL;
     }
     if (self->probe == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "StepRows cleared");
         return NULL;
     }
-    PyObject *sched = args[0], *step = args[1];
+    PyObject *sched = args[0], *step = args[1], *finished = args[2], *running = args[3];
     if (!self->ready || PyDict_GET_SIZE(self->first_due) != 0)
         Py_RETURN_FALSE; /* first tokens due: the Python method looks at those requests */
     int64_t t = now_ns();
-    PyObject *row = PyDict_GetItemWithError(self->pending, step), *tuple = NULL, *r = NULL, *running = NULL;
+    PyObject *row = PyDict_GetItemWithError(self->pending, step), *tuple = NULL, *r = NULL;
     if (row == NULL && PyErr_Occurred())
         return NULL;
     if (row != NULL) {
@@ -2426,21 +2414,21 @@ static PyObject *StepRows_end(StepRows *self, PyObject *const *args, Py_ssize_t 
             PyErr_SetString(PyExc_TypeError, "StepRows: a pending step row is not a list of the steps columns");
             goto error;
         }
-        PyObject *t_end = PyLong_FromLongLong(t), *finished;
+        PyObject *t_end = PyLong_FromLongLong(t);
         if (t_end == NULL)
             goto error;
         PyList_SetItem(row, 3, t_end);
-        if ((finished = PyObject_GetAttr(self->probe, s_finished_in_update)) == NULL)
-            goto error;
-        PyList_SetItem(row, 19, finished);
-        if ((tuple = PyList_AsTuple(row)) == NULL || (r = PyObject_CallMethodOneArg(self->steps, s_append, tuple)) == NULL)
+        PyList_SetItem(row, 19, Py_NewRef(finished));
+        if ((tuple = PyList_AsTuple(row)) == NULL
+            || (r = Py_IS_TYPE(self->steps, &RowLogType) ? RowLog_append((RowLog *)self->steps, tuple)
+                                                         : PyObject_CallMethodOneArg(self->steps, s_append, tuple)) == NULL)
             goto error;
         Py_CLEAR(r);
     }
     /* the engine goes idle (it blocks on its input queue next): rows held as columns go to the recorder
        (`running` first: while requests run the engine is busy, and has_requests() is four of vLLM's calls) */
     int busy;
-    if ((running = PyObject_GetAttr(sched, s_running)) == NULL || (busy = PyObject_IsTrue(running)) < 0)
+    if ((busy = PyObject_IsTrue(running)) < 0)
         goto error;
     if (!busy) {
         int has;
@@ -2450,23 +2438,23 @@ static PyObject *StepRows_end(StepRows *self, PyObject *const *args, Py_ssize_t 
         if (!has && (r = PyObject_CallMethodNoArgs(self->probe, s_went_idle)) == NULL)
             goto error;
     }
-    Py_XDECREF(row); Py_XDECREF(tuple); Py_XDECREF(r); Py_XDECREF(running);
+    Py_XDECREF(row); Py_XDECREF(tuple); Py_XDECREF(r);
     Py_RETURN_TRUE;
 error:
-    Py_XDECREF(row); Py_XDECREF(tuple); Py_XDECREF(r); Py_XDECREF(running);
+    Py_XDECREF(row); Py_XDECREF(tuple); Py_XDECREF(r);
     return NULL;
 }
 
 static int StepRows_traverse(StepRows *self, visitproc visit, void *arg) {
     Py_VISIT(self->probe); Py_VISIT(self->decode_log); Py_VISIT(self->pending); Py_VISIT(self->chunks);
-    Py_VISIT(self->first_due); Py_VISIT(self->steps); Py_VISIT(self->ctx); Py_VISIT(self->free_blocks);
+    Py_VISIT(self->first_due); Py_VISIT(self->steps); Py_VISIT(self->ctx);
     Py_VISIT(self->queue_lengths);
     return 0;
 }
 
 static int StepRows_clear(StepRows *self) {
     Py_CLEAR(self->probe); Py_CLEAR(self->decode_log); Py_CLEAR(self->pending); Py_CLEAR(self->chunks);
-    Py_CLEAR(self->first_due); Py_CLEAR(self->steps); Py_CLEAR(self->ctx); Py_CLEAR(self->free_blocks);
+    Py_CLEAR(self->first_due); Py_CLEAR(self->steps); Py_CLEAR(self->ctx);
     Py_CLEAR(self->queue_lengths);
     return 0;
 }
@@ -2479,9 +2467,12 @@ static void StepRows_dealloc(StepRows *self) {
 
 static PyMethodDef StepRows_methods[] = {
     {"decode", (PyCFunction)(void (*)(void))StepRows_decode, METH_FASTCALL,
-     "decode(sched, out, t0) -> bool: a step that only decodes recorded (False: not such a step, nothing done)"},
+     "decode(sched, out, t0, news, ids, resumed, comps, new_ids, num_sched, total, step, free, gpu_blocks, waiting, "
+     "holding, budget, running, max_running, preempted, seen) -> bool: a step that only decodes recorded (False: not "
+     "such a step, nothing done)"},
     {"end", (PyCFunction)(void (*)(void))StepRows_end, METH_FASTCALL,
-     "end(sched, step) -> bool: the step's row handed over (False: first tokens due, nothing done)"},
+     "end(sched, step, finished, running) -> bool: the step's row handed over (False: first tokens due, nothing "
+     "done)"},
     {NULL}};
 
 static PyMemberDef StepRows_members[] = {
@@ -2506,19 +2497,10 @@ static int intern_step_names(void) {
     struct {
         PyObject **at;
         const char *name;
-    } names[] = {{&s_current_step, "current_step"}, {&s_scheduled_new_reqs, "scheduled_new_reqs"},
-                 {&s_scheduled_cached_reqs, "scheduled_cached_reqs"}, {&s_req_ids, "req_ids"},
-                 {&s_resumed_req_ids, "resumed_req_ids"}, {&s_num_computed_tokens, "num_computed_tokens"},
-                 {&s_new_block_ids, "new_block_ids"}, {&s_num_scheduled_tokens, "num_scheduled_tokens"},
-                 {&s_total_num_scheduled_tokens, "total_num_scheduled_tokens"},
-                 {&s_kv_cache_manager, "kv_cache_manager"}, {&s_block_pool, "block_pool"},
-                 {&s_num_gpu_blocks, "num_gpu_blocks"}, {&s_waiting, "waiting"},
-                 {&s_kv_holding_waiting, "kv_holding_waiting"}, {&s_skipped_waiting, "skipped_waiting"},
-                 {&s_max_num_scheduled_tokens, "max_num_scheduled_tokens"}, {&s_running, "running"},
-                 {&s_max_num_running_reqs, "max_num_running_reqs"}, {&s_preempted_this_step, "preempted_this_step"},
-                 {&s_seen, "seen"}, {&s_kvtrace_step, "_kvtrace_step"}, {&s_admission_stop, "_admission_stop"},
-                 {&s_take, "take"}, {&s_finished_in_update, "finished_in_update"}, {&s_has_requests, "has_requests"},
-                 {&s_went_idle, "went_idle"}, {&s_append, "append"}, {&s_none, "none"},
+    } names[] = {{&s_kv_holding_waiting, "kv_holding_waiting"}, {&s_skipped_waiting, "skipped_waiting"},
+                 {&s_kvtrace_step, "_kvtrace_step"}, {&s_admission_stop, "_admission_stop"}, {&s_take, "take"},
+                 {&s_has_requests, "has_requests"}, {&s_went_idle, "went_idle"}, {&s_append, "append"},
+                 {&s_none, "none"},
                  {&s_config_recorded, "config_recorded"}, {&s_inject, "inject"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL)

@@ -640,11 +640,11 @@ def decode_log() -> Any:
     return NativeDecodeLog(DECODE_FLUSH_ROWS, FLUSH_NS) if _columns is not None else DecodeLog()
 
 
-def step_rows(probe: Any, decode_log: Any, steps: Any, ctx: Any, free_blocks: Any, queue_lengths: dict) -> Any:
+def step_rows(probe: Any, decode_log: Any, steps: Any, ctx: Any, queue_lengths: dict) -> Any:
     """The scheduler probe's per-step rows of a step that only decodes, in C (`_columns.StepRows`, over the
     probe's own `pending_steps`, `prefill_chunks` and `first_token_due`); None where it is not built or
     the decode log is not native (the probe's Python methods do every step)."""
     if _columns is None or not isinstance(decode_log, _columns.DecodeLog):
         return None
     return _columns.StepRows(probe, decode_log, probe.pending_steps, probe.prefill_chunks, probe.first_token_due,
-                             steps, ctx, free_blocks, queue_lengths)
+                             steps, ctx, queue_lengths)

@@ -178,9 +178,10 @@ class SchedulerProbe(Probe):
         _QUEUE_LENGTHS.update(queue_lengths())
         from vllm.v1.core.block_pool import BlockPool
 
-        _FREE_BLOCKS = (attrgetter("free_block_queue.num_free_blocks")
-                        if returns_field_of_field(BlockPool.get_num_free_blocks, "free_block_queue", "num_free_blocks")
-                        else methodcaller("get_num_free_blocks"))
+        fields = returns_field_of_field(BlockPool.get_num_free_blocks, "free_block_queue", "num_free_blocks")
+        _FREE_BLOCKS = attrgetter("free_block_queue.num_free_blocks") if fields else methodcaller("get_num_free_blocks")
+        # the same read in the wrappers' source (decode_call), where it is specialised bytecode
+        free_blocks_read = "free_block_queue.num_free_blocks" if fields else "get_num_free_blocks()"
 
         self.steps = self.rec.buffer("steps")
         self.step_reqs = self.rec.buffer("step_requests")
@@ -262,17 +263,21 @@ class SchedulerProbe(Probe):
         # vLLM's own parameters (checked by `targets()`); `{call}` calls the original.
         env = self.wrapper_env()
         # A step that only decodes: its rows in C where StepRows is built (None: the Python methods)
-        env["rows"] = rows = step_rows(self, self.decode_log, self.steps, ctx, _FREE_BLOCKS, _QUEUE_LENGTHS) \
-            if NATIVE_STEPS else None
+        env["rows"] = rows = step_rows(self, self.decode_log, self.steps, ctx, _QUEUE_LENGTHS) if NATIVE_STEPS else None
         on_schedule = "probe.on_schedule({self}, out, t0)"
         after_update = "probe.after_update({self}, step)"
         if rows is not None:
-            on_schedule = "rows.decode({self}, out, t0) or " + on_schedule
-            after_update = "rows.end({self}, step) or " + after_update
+            on_schedule = decode_call(free_blocks_read) + " or " + on_schedule
+            after_update = "rows.end({self}, step, probe.finished_in_update, {self}.running) or " + after_update
         # vLLM 0.32+'s schedule(throttle_prefills=...), passed to prefill_hold by name where it exists
         # (`locals()` would build the wrapper's frame object and a dict of its locals every step)
         throttle = "throttle_prefills" if "throttle_prefills" in inspect.signature(Scheduler.schedule).parameters \
             else "False"
+        # prefill_hold's usual answer, None, without its call where this vLLM has no prefill cadence
+        # (0.33's `local_prefill_interval`): then only a throttled step asks it
+        hold = "probe.prefill_hold({self}, {throttle})"
+        if not has_prefill_cadence(Scheduler):
+            hold = "None" if throttle == "False" else f"({hold} if {throttle} else None)"
         patch_exact(self, Scheduler, {
             "schedule": """
     if not probe.enabled:
@@ -280,7 +285,7 @@ class SchedulerProbe(Probe):
     t0 = _now()
     probe.preempted_this_step = 0
     try:
-        probe.seen = probe.prefill_hold({self}, {throttle})
+        probe.seen = {hold}
     except Exception as exc:
         probe.seen = None
         probe.fail(exc)
@@ -304,7 +309,7 @@ class SchedulerProbe(Probe):
         {on_schedule}
     except Exception as exc:
         probe.fail(exc)
-    return out""".replace("{throttle}", throttle).replace("{on_schedule}", on_schedule),
+    return out""".replace("{hold}", hold).replace("{throttle}", throttle).replace("{on_schedule}", on_schedule),
             "update_from_output": """
     if not probe.enabled:
         return {call}
@@ -744,6 +749,45 @@ _set_watched = _AdmissionWatch._kvm.__set__
 # Whether vLLM's Request.num_tokens / num_output_tokens are `len()` of its token-id lists (base.is_len_of):
 # the handlers then read the lists' lengths, not the properties. Set at install.
 _LENS = False
+
+def has_prefill_cadence(scheduler_cls: Any) -> bool:
+    """Whether this vLLM's Scheduler may hold prefills back by cadence (0.33's `local_prefill_interval`);
+    True where its source cannot be read (prefill_hold then asks every step)."""
+    try:
+        return "local_prefill_interval" in inspect.getsource(scheduler_cls)
+    except (OSError, TypeError):
+        return True
+
+
+def decode_call(free_blocks_read: str) -> str:
+    """The schedule wrapper's call of `StepRows.decode` (record/_columns.c), with the attributes it needs
+    read here, in the wrapper: a read in bytecode is specialised to the object's layout and touches only
+    the lines vLLM's own reads of those objects have just brought in, where the same read from C looks the
+    name up in the type's method cache and the instance's keys (18 reads with the caches cold: 9.5 us from
+    C against 3.3 us here, the CPU machine). Attributes some vLLM releases lack are passed as None, and
+    looked up in C: `resumed_req_ids` (None: none resumed), the holding queue (`kv_holding_waiting`, or
+    0.26-0.27's `skipped_waiting`)."""
+    from vllm.v1.core.sched.output import CachedRequestData
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    resumed = "_cached.resumed_req_ids" if "resumed_req_ids" in getattr(CachedRequestData, "__dataclass_fields__", ()) \
+        else "None"
+    holding = "None"
+    try:
+        init = inspect.getsource(Scheduler.__init__)
+    except (OSError, TypeError):
+        init = ""
+    for name in ("kv_holding_waiting", "skipped_waiting"):
+        if f"self.{name} =" in init or f"self.{name}:" in init:
+            holding = "{self}." + name
+            break
+    return ("rows.decode({self}, out, t0, out.scheduled_new_reqs, (_cached := out.scheduled_cached_reqs).req_ids, "
+            f"{resumed}, _cached.num_computed_tokens, _cached.new_block_ids, out.num_scheduled_tokens, "
+            "out.total_num_scheduled_tokens, {self}.current_step, "
+            f"(_pool := {{self}}.kv_cache_manager.block_pool).{free_blocks_read}, _pool.num_gpu_blocks, "
+            f"{{self}}.waiting, {holding}, {{self}}.max_num_scheduled_tokens, {{self}}.running, "
+            "{self}.max_num_running_reqs, probe.preempted_this_step, probe.seen)")
+
 
 # The free blocks of a BlockPool: its get_num_free_blocks(), or the attribute that method returns
 # (returns_field_of_field). Set at install.
