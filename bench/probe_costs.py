@@ -37,7 +37,7 @@ import numpy as np
 TOTAL: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()
 TIMES: collections.defaultdict = collections.defaultdict(list)  # label -> seconds of each call
-THRASH = np.zeros(0, np.uint8)  # --thrash-mb: written before each timed call
+THRASH = np.zeros(0, np.uint8)  # --thrash-mb: written before each step (before `schedule`, untimed)
 
 
 def _timed(label: str, fn):
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds (after one warm-up)")
     ap.add_argument("--thrash-mb", type=int, default=0, metavar="MB",
-                    help="write a buffer this large before each timed call (64: over the CPU machine's 32 MB of L3)")
+                    help="write a buffer this large before each step, untimed (64: over the CPU machine's 32 MB of L3)")
     ap.add_argument("--decode-heavy", action="store_true",
                     help="256 requests of 512 prompt tokens, 256 out, 16,000 blocks of 16 (the GPU 1B workload's steps)")
     args = ap.parse_args(argv)
