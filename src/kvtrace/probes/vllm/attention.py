@@ -30,7 +30,7 @@ import inspect
 import sys
 from typing import Any
 
-from kvtrace.probes.base import Probe, TargetMissing
+from kvtrace.probes.base import Probe, TargetMissing, exact_wrapper
 from kvtrace.record.buffers import SlotRuns
 
 ATTN = "vllm.model_executor.layers.attention.attention"
@@ -125,56 +125,51 @@ class AttentionProbe(Probe):
         sample_every = int(self.options.get("kv_sample_every", 1) or 1)
         probe = self
 
+        # The runner's execute_model, wrapped with its own parameter list (exact_wrapper: vLLM's call and
+        # ours stay specialised Python calls). The rare cases (the first passes, warm-up passes without a
+        # step id) are in start_pass.
+        execute_body = """
+    if not probe.enabled:
+        return {call}
+    step = getattr(scheduler_output, "_kvtrace_step", None)
+    try:
+        if step is None or probe.step < 0 or probe.ring is None:
+            if not probe.start_pass({self}, step, granularity, layers, sample_every):
+                return {call}  # a pass without a step id: run unrecorded
+        else:
+            probe.step = step
+            probe.ring.begin_step(step)
+    except Exception as exc:
+        probe.fail(exc)
+        return {call}
+    # NVTX ranges only where a profiler listens (asked each step: the scheduler probe may configure the
+    # module after this probe installs); else no context manager's two calls a step
+    if probe.nvtx_layers or (nvtx is not None and nvtx.enabled()):
+        with probe.nvtx_execute():
+            try:
+                result = {call}
+            finally:
+                if probe.nvtx_layers:
+                    probe.nvtx_layer(None)
+    else:
+        result = {call}
+    if probe.enabled and scheduler_output.total_num_scheduled_tokens:
+        try:
+            ring = probe.ring
+            if ring._state_due:  # the pass ran no ring kernel where the ring could see it
+                ring.state_missed()
+            # a row per (step, slot) was 7.5-19 us a step at 256 requests (bench/bench_batch_slots.py); a
+            # decode batch keeps its rows for many steps, kept once
+            if probe.slots.add(step, req_ids({self})):
+                probe.take()
+        except Exception as exc:
+            probe.fail(exc)
+    return result"""
+
         def execute_model(orig, req_ids):
-            def wrapper(runner, scheduler_output, *args, **kwargs):
-                if not probe.enabled:
-                    return orig(runner, scheduler_output, *args, **kwargs)
-                try:
-                    if probe.step < 0:  # until the first tagged step: a process that also schedules
-                        probe.rec.role = "worker"  # (tensor parallel 1) is named for its worker
-                    # Our step id, put there by the scheduler probe. A forward pass without one (a
-                    # warm-up or dummy run on fake requests) is run unrecorded: its rows would take the
-                    # ids of real steps.
-                    step = getattr(scheduler_output, "_kvtrace_step", None)
-                    if probe.ring is None:
-                        probe.set_rank(runner)
-                        probe.ring = probe.make_ring(runner, granularity, layers, sample_every)
-                    if step is None:
-                        probe.untagged += 1
-                        if probe.untagged == UNTAGGED_BEFORE_SAYING and probe.step < 0:
-                            probe.say_untagged()  # in proc.json at the next flush, should the worker be killed
-                        probe.ring.begin_step(probe.step, record=False)
-                        return orig(runner, scheduler_output, *args, **kwargs)
-                    if probe.step < 0 and probe.untagged >= UNTAGGED_BEFORE_SAYING:
-                        probe.rec.set_probe_status(probe.name, "attached")  # the step ids came after all
-                    probe.step = step
-                    probe.ring.begin_step(step)
-                except Exception as exc:
-                    probe.fail(exc)
-                    return orig(runner, scheduler_output, *args, **kwargs)
-                # NVTX ranges only where a profiler listens (asked each step: the scheduler probe may
-                # configure the module after this probe installs)
-                if probe.nvtx_layers or (_nvtx is not None and _nvtx.enabled()):
-                    with probe.nvtx_execute():
-                        try:
-                            result = orig(runner, scheduler_output, *args, **kwargs)
-                        finally:
-                            if probe.nvtx_layers:
-                                probe.nvtx_layer(None)
-                else:  # no range to open: no context manager's two calls a step
-                    result = orig(runner, scheduler_output, *args, **kwargs)
-                if probe.enabled and scheduler_output.total_num_scheduled_tokens:
-                    try:
-                        if probe.ring._state_due:  # the pass ran no ring kernel where the ring could see it
-                            probe.ring.state_missed()
-                        # a row per (step, slot) was 7.5-19 us a step at 256 requests (bench/
-                        # bench_batch_slots.py); a decode batch keeps its rows for many steps, kept once
-                        if probe.slots.add(step, req_ids(runner)):
-                            probe.take()
-                    except Exception as exc:
-                        probe.fail(exc)
-                return result
-            return wrapper
+            env = {"probe": probe, "nvtx": _nvtx, "req_ids": req_ids, "granularity": granularity,
+                   "layers": layers, "sample_every": sample_every}
+            return exact_wrapper(orig, execute_body, env)
 
         def get_attention_context(orig):
             def wrapper(layer_name, *args, **kwargs):
@@ -284,6 +279,28 @@ class AttentionProbe(Probe):
         found = [module for module in RUNNERS if when_imported(module, attach_runner)]
         if not found:
             raise TargetMissing(f"no model runner module ({', '.join(RUNNERS)})")
+
+    def start_pass(self, runner: Any, step: int | None, granularity: str, layers: Any, sample_every: int) -> bool:
+        """A forward pass before the first tagged step, or one without a step id: make the ring on the first
+        pass, name the process for its worker, and start the ring's step. False: a pass without our step id
+        (a warm-up or dummy run on fake requests), to run unrecorded: its rows would take the ids of real
+        steps."""
+        if self.step < 0:  # until the first tagged step: a process that also schedules (tensor parallel 1)
+            self.rec.role = "worker"  # is named for its worker
+        if self.ring is None:
+            self.set_rank(runner)
+            self.ring = self.make_ring(runner, granularity, layers, sample_every)
+        if step is None:
+            self.untagged += 1
+            if self.untagged == UNTAGGED_BEFORE_SAYING and self.step < 0:
+                self.say_untagged()  # in proc.json at the next flush, should the worker be killed
+            self.ring.begin_step(self.step, record=False)
+            return False
+        if self.step < 0 and self.untagged >= UNTAGGED_BEFORE_SAYING:
+            self.rec.set_probe_status(self.name, "attached")  # the step ids came after all
+        self.step = step
+        self.ring.begin_step(step)
+        return True
 
     def unsupported(self, meta: Any) -> None:
         """The backend's metadata has no block table and sequence lengths to read: say so, and stop
